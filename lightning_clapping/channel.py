@@ -1,0 +1,225 @@
+"""The wire: how one boundary message is laid out in bytes and moved between two ranks.
+
+Every message between stages is ONE ``uint8`` tensor handed to ``torch.distributed``::
+
+    header   16 bytes  magic "CL", version, kind, number of parts, total length
+    parts    16 bytes each + 8 per dimension: codec id, dtype, ndim, flags, payload bytes, shape
+    (padding to 8 bytes)
+    payloads each the codec's packed bytes, padded to 8 bytes
+
+So the bytes counted by :class:`PeerChannel` are exactly the bytes that crossed the process boundary, and a
+compressed payload travels as its packed bytes, never as floats.
+
+Receives are posted before they are needed (gloo moves data only once a receive is posted). That needs the
+receiver to know a message's size in advance: both ends remember the size of the last message in each *slot*
+(micro-batch position) and the sender keeps to it. When the size changes (the first message, a smaller last batch,
+a different codec) the sender first sends a *resize* message of the old size that announces the new one, then the
+message itself under a second tag; each slot has its own tags, so a resize never disturbs the other slots.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+MAGIC = b"CL"
+VERSION = 1
+KIND_DATA = 0
+KIND_RESIZE = 1
+_HEAD = struct.Struct("<2sBBHHQ")  # magic, version, kind, parts, reserved, total bytes
+_PART = struct.Struct("<BBBBIQ")  # codec, dtype, ndim, flags, reserved, payload bytes
+_DIM = struct.Struct("<q")
+HEADER_BYTES = _HEAD.size
+FLAG_REQUIRES_GRAD = 1
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+]
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES.append(getattr(torch, _name))
+DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class WireError(RuntimeError):
+    """A message did not have the expected layout: the two ends disagree about the protocol."""
+
+
+def _align(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass
+class Part:
+    """One tensor inside a message, in its encoded form."""
+
+    codec: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    payload: torch.Tensor  # 1-D uint8
+    flags: int = 0
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's own bytes as a flat uint8 view (a copy only when it is not contiguous)."""
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def from_raw_bytes(payload: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return payload.view(dtype).reshape(shape)
+
+
+def pack(parts: list[Part], device: torch.device | None = None) -> torch.Tensor:
+    """Lay out ``parts`` as one message tensor."""
+    meta = bytearray()
+    for p in parts:
+        meta += _PART.pack(p.codec, DTYPE_CODE[p.dtype], len(p.shape), p.flags, 0, p.payload.numel())
+        for d in p.shape:
+            meta += _DIM.pack(d)
+    head_len = _align(HEADER_BYTES + len(meta))
+    offsets, total = [], head_len
+    for p in parts:
+        offsets.append(total)
+        total += _align(p.payload.numel())
+    total = max(total, HEADER_BYTES)
+    device = device or (parts[0].payload.device if parts else torch.device("cpu"))
+    msg = torch.zeros(total, dtype=torch.uint8, device=device) if total <= 4096 else torch.empty(
+        total, dtype=torch.uint8, device=device
+    )
+    head = _HEAD.pack(MAGIC, VERSION, KIND_DATA, len(parts), 0, total) + bytes(meta)
+    msg[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)
+    for p, off in zip(parts, offsets):
+        n = p.payload.numel()
+        msg[off : off + n] = p.payload
+    return msg
+
+
+def resize_message(announced: int, length: int, device: torch.device) -> torch.Tensor:
+    """A message of ``length`` bytes that tells the receiver the next message has ``announced`` bytes."""
+    msg = torch.zeros(max(length, HEADER_BYTES), dtype=torch.uint8, device=device)
+    head = _HEAD.pack(MAGIC, VERSION, KIND_RESIZE, 0, 0, announced)
+    msg[:HEADER_BYTES] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(device)
+    return msg
+
+
+def read_header(msg: torch.Tensor) -> tuple[int, int, int]:
+    """(kind, number of parts, total length) of a message."""
+    raw = msg[:HEADER_BYTES].cpu().numpy().tobytes()
+    magic, version, kind, nparts, _, total = _HEAD.unpack(raw)
+    if magic != MAGIC or version != VERSION:
+        raise WireError(f"not a lightning-clapping message (magic {magic!r}, version {version})")
+    return kind, nparts, total
+
+
+def unpack(msg: torch.Tensor) -> list[Part]:
+    """The parts of a data message; payloads are views into ``msg``."""
+    kind, nparts, total = read_header(msg)
+    if kind != KIND_DATA:
+        raise WireError(f"expected a data message, got kind {kind}")
+    if total != msg.numel():
+        raise WireError(f"message says {total} bytes but {msg.numel()} arrived")
+    # descriptors are variable-length; read enough of the head to parse them
+    raw = msg[: min(msg.numel(), HEADER_BYTES + nparts * (_PART.size + 8 * 16))].cpu().numpy().tobytes()
+    pos = HEADER_BYTES
+    descs = []
+    for _ in range(nparts):
+        codec, dcode, ndim, flags, _, nbytes = _PART.unpack_from(raw, pos)
+        pos += _PART.size
+        shape = tuple(_DIM.unpack_from(raw, pos + 8 * i)[0] for i in range(ndim))
+        pos += 8 * ndim
+        descs.append((codec, _DTYPES[dcode], shape, flags, nbytes))
+    off = _align(pos)
+    parts = []
+    for codec, dtype, shape, flags, nbytes in descs:
+        parts.append(Part(codec, dtype, shape, msg[off : off + nbytes], flags))
+        off += _align(nbytes)
+    if off != total:
+        raise WireError(f"message parts end at byte {off}, header says {total}")
+    return parts
+
+
+class PeerChannel:
+    """Messages of one purpose (e.g. training activations) exchanged with one peer rank.
+
+    The same object is used by the sending side (``send``/``flush``) or the receiving side (``post``/``recv``).
+    ``bytes_sent`` counts every byte handed to ``torch.distributed.isend``, resize messages included.
+    """
+
+    def __init__(
+        self,
+        peer: int,
+        purpose: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        prepost: bool = True,
+        timeout: timedelta | None = None,
+    ) -> None:
+        self.peer = peer
+        self.purpose = purpose
+        self.device = device
+        self.group = group
+        self.prepost = prepost
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.messages_sent = 0
+        self._expected: dict[int, int] = {}
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+
+    def _tag(self, slot: int, second: bool) -> int:
+        return self.purpose * 1_000_000 + slot * 2 + int(second)
+
+    def _isend(self, msg: torch.Tensor, tag: int) -> None:
+        work = dist.isend(msg, dst=self.peer, group=self.group, tag=tag)
+        self._pending_sends.append((work, msg))
+        self.bytes_sent += msg.numel()
+        self.messages_sent += 1
+
+    def send(self, slot: int, msg: torch.Tensor) -> None:
+        expected = self._expected.get(slot, HEADER_BYTES)
+        if msg.numel() == expected:
+            self._isend(msg, self._tag(slot, False))
+        else:
+            self._isend(resize_message(msg.numel(), expected, self.device), self._tag(slot, False))
+            self._isend(msg, self._tag(slot, True))
+            self._expected[slot] = msg.numel()
+
+    def flush(self) -> None:
+        """Wait until every message sent so far has left (its buffer may be reused afterwards)."""
+        for work, _ in self._pending_sends:
+            self._wait(work)
+        self._pending_sends.clear()
+
+    def post(self, slot: int) -> None:
+        """Post the receive for ``slot``'s next message (no-op when already posted)."""
+        if slot in self._posted:
+            return
+        buf = torch.empty(self._expected.get(slot, HEADER_BYTES), dtype=torch.uint8, device=self.device)
+        work = dist.irecv(buf, src=self.peer, group=self.group, tag=self._tag(slot, False))
+        self._posted[slot] = (work, buf)
+
+    def recv(self, slot: int) -> torch.Tensor:
+        self.post(slot)
+        work, buf = self._posted.pop(slot)
+        self._wait(work)
+        kind, _, total = read_header(buf)
+        if kind == KIND_RESIZE:
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            self._wait(dist.irecv(buf, src=self.peer, group=self.group, tag=self._tag(slot, True)))
+            self._expected[slot] = total
+        return buf
+
+    def _wait(self, work: dist.Work) -> None:
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
+
+    def pending(self) -> bool:
+        return bool(self._pending_sends or self._posted)

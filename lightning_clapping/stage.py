@@ -1,0 +1,235 @@
+"""Running the user's own step code as one pipeline stage.
+
+Every rank calls the user's unchanged ``training_step`` (or ``validation_step`` ...) for each micro-batch. What
+makes a rank one *stage* is a thin wrapper around the ``forward`` of every unit of the partition:
+
+* units of earlier stages are not run: on the meta device the wrapper works out what they would return and hands
+  back tensors of that shape filled with NaN (placeholders that cost no parameters and never reach the result);
+* at the stage's first module (its *entry*) the tensors the forward passes in are replaced by the ones received
+  from the previous stage;
+* at the next stage's first module (the *exit*) the tensors the forward would pass in are captured for sending and
+  the step is abandoned with :class:`StageExit`.
+
+So the boundary between stages is the call of a cut module: exactly the tensors given to it cross the wire, extra
+inputs such as attention masks included. The user's Python code between modules (reshapes, pooling, loss) runs as
+written; anything computed before the cut that is used after it without passing through the cut module would be a
+NaN placeholder, which :meth:`check_finite` reports as a model that cannot be cut there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_clapping._compat import tree_flatten, tree_unflatten
+from lightning_clapping.partition import Partition, PartitionError
+
+
+class StageExit(BaseException):
+    """Raised inside the user's step once this stage's part of the forward is done.
+
+    A ``BaseException`` so that user code catching ``Exception`` does not swallow it.
+    """
+
+
+class SplitError(RuntimeError):
+    """The forward does not follow the partition (order, reuse across stages, leaked placeholders)."""
+
+
+_IDLE, _BEFORE, _INSIDE = "idle", "before", "inside"
+
+
+def tensor_leaves(obj: Any) -> list[Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [x for x in leaves if isinstance(x, Tensor)]
+
+
+class StageRunner:
+    """Installs the unit wrappers for ``stage`` and tracks where the current micro-batch's forward is."""
+
+    def __init__(self, module: nn.Module, partition: Partition, stage: int) -> None:
+        self.module = module
+        self.partition = partition
+        self.stage = stage
+        self.num_stages = partition.num_stages
+        self.entry = partition.cut_points[stage - 1] if stage > 0 else None
+        self.exit = partition.cut_points[stage] if stage < partition.num_stages - 1 else None
+        self.state = _IDLE
+        self.captured: tuple | None = None
+        self._provider: Callable[[], list[Tensor]] | None = None
+        self._stub_cache: dict[tuple, tuple] = {}
+        self._saved_forwards: dict[str, Any] = {}
+        self._modules = dict(module.named_modules())
+
+    # ------------------------------------------------------------------ set-up
+    def install(self) -> None:
+        for name in self.partition.unit_stage:
+            if name == "":
+                continue
+            unit = self._modules[name]
+            self._saved_forwards[name] = unit.__dict__.get("forward")
+            unit.forward = self._wrap(name, unit.forward)
+
+    def uninstall(self) -> None:
+        for name, saved in self._saved_forwards.items():
+            unit = self._modules[name]
+            if saved is None:
+                unit.__dict__.pop("forward", None)
+            else:
+                unit.forward = saved
+        self._saved_forwards.clear()
+
+    def release_foreign_state(self) -> None:
+        """Move the parameters and buffers of other stages' units to the meta device (frees their memory)."""
+        for name, stage in self.partition.unit_stage.items():
+            if stage != self.stage and name in self.partition.stateful_units:
+                self._modules[name].to("meta")
+
+    def own_units(self) -> list[nn.Module]:
+        return [self._modules[n] for n, s in self.partition.unit_stage.items() if s == self.stage]
+
+    # ------------------------------------------------------------------ per micro-batch
+    @contextmanager
+    def microbatch(self, provider: Callable[[], list[Tensor]] | None):
+        """Run one micro-batch's step; ``provider`` returns the received boundary tensors (stages > 0)."""
+        self.state = _INSIDE if self.stage == 0 else _BEFORE
+        self.captured = None
+        self._provider = provider
+        try:
+            yield self
+        finally:
+            reached = self.state != _BEFORE
+            self.state = _IDLE
+            self._provider = None
+        if not reached:
+            raise SplitError(
+                f"stage {self.stage} never reached its first module {self.entry!r}: the step did not call it. "
+                "Cut at a module that the forward calls on every batch."
+            )
+
+    def captured_tensors(self) -> list[Tensor]:
+        if self.captured is None:
+            raise SplitError(
+                f"stage {self.stage}'s step finished without calling {self.exit!r}, the first module of stage "
+                f"{self.stage + 1}; the model cannot be cut there (is that module only called conditionally?)"
+            )
+        return tensor_leaves(self.captured)
+
+    # ------------------------------------------------------------------ the wrapper
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        unit_stage = self.partition.unit_stage[name]
+        stateful = name in self.partition.stateful_units
+        runner = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            state = runner.state
+            if state == _IDLE:
+                return original(*args, **kwargs)
+            if name == runner.exit:
+                if state != _INSIDE:
+                    raise SplitError(f"{name!r} (first module of stage {runner.stage + 1}) ran before stage "
+                                     f"{runner.stage} started; forward calls modules out of registration order")
+                runner.captured = (args, kwargs)
+                raise StageExit
+            if name == runner.entry:
+                if state != _BEFORE:
+                    raise SplitError(
+                        f"{name!r}, the first module of stage {runner.stage}, was called twice in one step; "
+                        "a pipeline stage boundary can be crossed once per micro-batch"
+                    )
+                args, kwargs = runner._substitute(name, args, kwargs)
+                runner.state = _INSIDE
+                return original(*args, **kwargs)
+            if state == _BEFORE:
+                if stateful and unit_stage >= runner.stage:
+                    raise SplitError(
+                        f"{name!r} belongs to stage {unit_stage} but forward calls it before {runner.entry!r}, the "
+                        f"first module of stage {runner.stage}: modules are called in a different order than they are "
+                        "registered. Pass `split_points` that follow the call order."
+                    )
+                return runner._stub(name, original, args, kwargs)
+            if stateful and unit_stage != runner.stage:
+                where = "after the cut into" if unit_stage < runner.stage else "before the end of"
+                raise SplitError(
+                    f"{name!r} belongs to stage {unit_stage} but forward calls it {where} stage {runner.stage} "
+                    f"(a module reused at two places of the model, or called out of order). Put all its uses in "
+                    "one stage with `split_points`."
+                )
+            return original(*args, **kwargs)
+
+        return forward
+
+    def _substitute(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        assert self._provider is not None
+        received = self._provider()
+        leaves, spec = tree_flatten((args, kwargs))
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        if len(slots) != len(received):
+            raise SplitError(
+                f"stage {self.stage} received {len(received)} tensors for {name!r} but its call here passes "
+                f"{len(slots)}: the stages disagree about the inputs of the cut module"
+            )
+        for i, t in zip(slots, received):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _stub(self, name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        key = (name, tuple(_signature(x) for x in leaves))
+        cached = self._stub_cache.get(key)
+        if cached is None:
+            meta = [x.to("meta") if isinstance(x, Tensor) else x for x in leaves]
+            margs, mkwargs = tree_unflatten(meta, spec)
+            try:
+                with torch.no_grad():
+                    out = original(*margs, **mkwargs)
+            except Exception as err:  # noqa: BLE001 - re-raised with the reason
+                raise SplitError(
+                    f"stage {self.stage} skips {name!r} (it runs on an earlier stage) and needs the shape of its "
+                    f"output, but the module cannot run on the meta device: {err}. Cut the model after this module's "
+                    "data-dependent code, or move that code into the first stage."
+                ) from err
+            out_leaves, out_spec = tree_flatten(out)
+            template = [(x.shape, x.dtype) if isinstance(x, Tensor) else x for x in out_leaves]
+            cached = (out_spec, template, [isinstance(x, Tensor) for x in out_leaves])
+            self._stub_cache[key] = cached
+        out_spec, template, is_tensor = cached
+        device = next((x.device for x in leaves if isinstance(x, Tensor) and x.device.type != "meta"), None)
+        out = [_placeholder(t[0], t[1], device) if flag else t for t, flag in zip(template, is_tensor)]
+        return tree_unflatten(out, out_spec)
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, Tensor):
+        return ("T", tuple(x.shape), x.dtype)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return (type(x).__name__, x)
+    return (type(x).__name__,)
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device | None) -> Tensor:
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def check_finite(tensors: list[Tensor], what: str, first_step: bool) -> None:
+    """Refuse to send or use non-finite values, and say the likely cause."""
+    for i, t in enumerate(tensors):
+        if (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() and not bool(torch.isfinite(t).all()):
+            hint = (
+                " On the first step this usually means the model cannot be cut here: a value computed before the "
+                "cut (by an earlier stage) is used after it without passing through the cut module's inputs. Pass "
+                "that value to the cut module, or choose other `split_points`."
+                if first_step
+                else " The model or its inputs produced NaN/inf (diverged training?)."
+            )
+            raise SplitError(f"{what}: tensor {i} of shape {tuple(t.shape)} holds NaN or inf.{hint}")
+
+
+__all__ = ["PartitionError", "SplitError", "StageExit", "StageRunner", "check_finite", "tensor_leaves"]

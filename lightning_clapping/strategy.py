@@ -1,0 +1,493 @@
+"""``ClappingStrategy``: the Lightning side of the pipeline.
+
+One process per stage. Every process runs the user's script, builds the whole LightningModule, and then keeps only
+its own stage's parameters (the rest move to the meta device). Each training step splits the batch into
+micro-batches, runs the schedule (forwards and backwards of all micro-batches, messages between neighbours), and
+hands Lightning a finished set of gradients: Lightning's own ``zero_grad`` and ``backward`` are turned into no-ops
+that still fire the user's hooks, and the optimizer step, schedulers, gradient clipping (by the norm of the *whole*
+model) and accumulation run as usual.
+
+The last stage runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics
+first-hand; the other ranks get the same values through :mod:`lightning_clapping.log_relay`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from lightning_clapping import _compat
+from lightning_clapping.checkpoint import (
+    gather_to_zero,
+    local_optimizer_state,
+    merge_model_states,
+    merge_optimizer_states,
+)
+from lightning_clapping.executor import PipelineExecutor, StepStats
+from lightning_clapping.log_relay import LogRelay, replay, to_wire
+from lightning_clapping.microbatch import merge_outputs, split_batch
+from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
+from lightning_clapping.schedule import SCHEDULES
+from lightning_clapping.stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+_SPAWN_REFUSED = (
+    "ClappingStrategy launches one process per stage by re-running your script (start_method='popen', as "
+    "`python train.py`, torchrun or SLURM do). {how} is refused: a spawned or forked run copies back only rank 0's "
+    "weights when it ends, so a model cut into stages would silently come back with most of its weights untrained."
+)
+
+
+class ClappingStrategy(ParallelStrategy):
+    """Pipeline-parallel training: the model is cut into stages, one per process.
+
+    Args:
+        split_points: names of the submodules that start stages 1, 2, ... (``len(split_points) + 1`` stages, which
+            must equal ``devices * num_nodes``). ``None`` balances the model's blocks by parameter count over all
+            processes and prints the stage table.
+        microbatches: micro-batches per batch. A batch smaller than this (the last one of an epoch) is split into
+            as many micro-batches as it has samples.
+        schedule: ``"1f1b"`` (default: activation memory bounded by the pipeline depth) or ``"gpipe"``.
+        process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA by default.
+        timeout: how long a stage waits for a message or collective before failing (so a dead stage does not leave
+            the others hanging forever).
+        prepost_receives: post each step's receives before they are needed (default: on for gloo, off for NCCL,
+            whose point-to-point calls ignore message tags).
+        log_bytes: log the bytes each boundary sent per step and direction (``clapping/b{m}_fwd_bytes``,
+            ``clapping/b{m}_bwd_bytes``, ``clapping/bytes``).
+        start_method: only ``"popen"``; spawn and fork are refused with the reason.
+    """
+
+    strategy_name = "clapping"
+
+    def __init__(
+        self,
+        split_points: list[str] | None = None,
+        microbatches: int = 4,
+        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=10),
+        prepost_receives: bool | None = None,
+        log_bytes: bool = True,
+        start_method: Literal["popen"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method != "popen":
+            raise ValueError(_SPAWN_REFUSED.format(how=f"start_method={start_method!r}"))
+        if split_points is not None:
+            if isinstance(split_points, str) or not all(isinstance(s, str) for s in split_points):
+                raise TypeError(f"split_points must be a list of module names, got {split_points!r}")
+            split_points = list(split_points)
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+        self.split_points = split_points
+        self.microbatches = microbatches
+        self.schedule = schedule.lower()
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._prepost = prepost_receives
+        self.log_bytes = log_bytes
+        self._num_nodes = 1
+        self.partition: Partition | None = None
+        self.runner: StageRunner | None = None
+        self.executor: PipelineExecutor | None = None
+        self._relay: LogRelay | None = None
+        self._full_state: dict[str, Tensor] | None = None
+        self._patched: list[tuple[Any, str]] = []
+        self._checked_batch = False
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_nodes * self.num_processes
+
+    @property
+    def stage(self) -> int:
+        """This rank's stage. The last stage runs on global rank 0 (see the module docstring)."""
+        return self.num_stages - 1 - self.global_rank
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self.num_stages - 1 - stage
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of the pipeline must see the same batch
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.split_points is not None and self.num_processes and len(self.split_points) + 1 != self.num_stages:
+            raise ValueError(
+                f"split_points={self.split_points} cut the model into {len(self.split_points) + 1} stages, but the "
+                f"Trainer starts {self.num_stages} processes (devices={self.num_processes}, num_nodes={self.num_nodes})."
+                f" ClappingStrategy runs one stage per process: set devices={len(self.split_points) + 1} (x num_nodes) "
+                f"or give {self.num_stages - 1} split points."
+            )
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _ClappingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        _compat.reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _compat.default_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _compat.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    # ------------------------------------------------------------------ checks done before any work
+    def check_model(self, model: pl.LightningModule) -> Partition:
+        """Everything that can be checked before processes start: raises with a message that says what to change."""
+        if not model.automatic_optimization:
+            raise ValueError(
+                "ClappingStrategy supports automatic optimization only: the pipeline runs forward and backward of all "
+                "micro-batches inside one training step. Remove `self.automatic_optimization = False` and return the "
+                "loss from training_step."
+            )
+        precision = getattr(self.precision_plugin, "precision", "32-true")
+        if str(precision) in ("16-mixed", "16"):
+            raise ValueError(
+                "precision='16-mixed' needs a gradient scaler whose overflow checks would have to agree across stages; "
+                "use precision='bf16-mixed' (or 32-true) with ClappingStrategy."
+            )
+        return build_partition(model, self.num_stages, self.split_points)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.partition = self.check_model(module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            rank_zero_info(f"ClappingStrategy: {self.num_stages} stages, schedule {self.schedule}, "
+                           f"{self.microbatches} micro-batches\n{self.partition.table()}")
+        self.runner = StageRunner(module, self.partition, self.stage)
+        self.runner.release_foreign_state()
+        self.runner.install()
+        self._patch(module, "optimizer_zero_grad", None)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+        self._patch(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm)
+        self._relay = LogRelay(module)
+        prepost = self._prepost if self._prepost is not None else self._process_group_backend == "gloo"
+        self.executor = PipelineExecutor(
+            self.runner,
+            self.rank_of_stage,
+            self.root_device,
+            schedule=self.schedule,
+            prepost=prepost,
+            timeout=self._timeout,
+        )
+        self._checked_batch = False
+        log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        setattr(obj, name, value)
+        self._patched.append((obj, name))
+
+    def model_to_device(self) -> None:
+        assert self.runner is not None
+        for unit in self.runner.own_units():
+            unit.to(self.root_device)
+        module = self.lightning_module
+        for name in self.partition.spanning if self.partition else ():
+            sub = module.get_submodule(name)
+            for bname, buf in list(sub.named_buffers(recurse=False)):
+                sub._buffers[bname] = buf.to(self.root_device)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def _split(self, batch: Any) -> tuple[list[Any], list[int]]:
+        microbatches, sizes = split_batch(batch, self.microbatches)
+        if not self._checked_batch:
+            self._checked_batch = True
+            if sum(sizes) < self.microbatches:
+                raise ValueError(
+                    f"microbatches={self.microbatches} is larger than the batch ({sum(sizes)} samples): each "
+                    f"micro-batch needs at least one sample. Use microbatches <= {sum(sizes)} or a larger batch size."
+                )
+        return microbatches, sizes
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        assert self.executor is not None and self._relay is not None
+        module, trainer = self.lightning_module, self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            for optimizer in self.optimizers:
+                type(module).optimizer_zero_grad(module, trainer.current_epoch, batch_idx, optimizer)
+        microbatches, sizes = self._split(batch)
+        total = sum(sizes)
+        weights = [n / total / accumulate for n in sizes]
+        relay = self._relay
+        relay.clear()
+
+        def step(mb: Any, j: int) -> Any:
+            with relay.capture(sizes[j]):
+                return module.training_step(mb, batch_idx, *args, **kwargs)
+
+        with self.precision_plugin.train_step_context():
+            outputs, stats = self.executor.train_step(microbatches, step, weights)
+        loss = None
+        if self.executor.is_last:
+            loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
+        loss_t = self._share_step_results(loss, stats, total)
+        if self.executor.is_last and isinstance(outputs[-1], dict):
+            return {**merge_outputs(outputs, sizes), "loss": loss_t}
+        return loss_t
+
+    def _share_step_results(self, loss: float | None, stats: StepStats | None, batch_size: int) -> Tensor:
+        """Send the last stage's loss and logged values to every rank and log them (and the byte counts) there."""
+        assert self._relay is not None
+        local = self._relay.combined() if self.global_rank == 0 else None
+        payload: list[Any] = [(loss, to_wire(local)) if local is not None else None]
+        if self.num_stages > 1:
+            dist.broadcast_object_list(payload, src=0)
+        loss, wire = payload[0]
+        module = self.lightning_module
+        replay(module, wire, local, self.root_device)
+        if stats is not None and self.log_bytes:
+            self._log_bytes(stats, batch_size)
+        value = torch.tensor(math.nan if loss is None else loss, device=self.root_device)
+        return value
+
+    def _log_bytes(self, stats: StepStats, batch_size: int) -> None:
+        mine = torch.tensor([stats.fwd_bytes, stats.bwd_bytes], dtype=torch.float64)
+        if self.num_stages > 1:
+            everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        module = self.lightning_module
+        total = 0.0
+        for m in range(self.num_stages - 1):
+            fwd = float(everyone[self.rank_of_stage(m)][0])  # stage m sends forward over boundary m
+            bwd = float(everyone[self.rank_of_stage(m + 1)][1])  # stage m+1 sends backward over boundary m
+            total += fwd + bwd
+            for name, v in ((f"clapping/b{m}_fwd_bytes", fwd), (f"clapping/b{m}_bwd_bytes", bwd)):
+                pl.LightningModule.log(module, name, v, on_step=True, on_epoch=False, batch_size=batch_size)
+        pl.LightningModule.log(module, "clapping/bytes", total, on_step=True, on_epoch=False, batch_size=batch_size)
+
+    def _eval(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        assert self.executor is not None and self._relay is not None
+        module = self.lightning_module
+        microbatches, sizes = self._split(batch)
+        relay = self._relay
+        relay.clear()
+        fn = getattr(module, hook)
+
+        def step(mb: Any, j: int) -> Any:
+            with relay.capture(sizes[j]):
+                return fn(mb, *args, **kwargs)
+
+        outputs, _ = self.executor.eval_step(microbatches, step)
+        if hook != "predict_step":
+            self._share_step_results(None, None, sum(sizes))
+        return merge_outputs(outputs, sizes) if self.executor.is_last else None
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval("predict_step", *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Gradients were computed by the pipeline inside ``training_step``; only the hooks run here."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the norm of the whole model's gradient, combined over all stages."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
+        squared = local.detach().double().pow(2).to(self.root_device)
+        if self.num_stages > 1:
+            dist.all_reduce(squared)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, squared.sqrt().to(local.dtype))
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        if _compat.distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _compat.distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _compat.sync_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return _compat.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """The last stage (rank 0) holds the authoritative metrics, so its decision is everyone's."""
+        if not _compat.distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.partition is not None
+        module = self.lightning_module
+        mine = self.partition.owned_state_keys(self.stage)
+        local = {k: v for k, v in module.state_dict().items() if k in mine}
+        parts = gather_to_zero(local, self.world_size)
+        if parts is None:
+            return local
+        return merge_model_states(parts, list(self.partition.state_stage))
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        parts = gather_to_zero(local_optimizer_state(optimizer, optimizer.state_dict()), self.world_size)
+        return merge_optimizer_states(parts) if parts is not None else {}
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        assert self.partition is not None
+        mine = self.partition.owned_state_keys(self.stage)
+        full = checkpoint["state_dict"]
+        missing = [k for k in mine if k not in full]
+        if strict and missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} entries of stage {self.stage}, e.g. {missing[:5]}")
+        self.lightning_module.load_state_dict({k: v for k, v in full.items() if k in mine}, strict=False)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer.load_state_dict(local_optimizer_state(optimizer, state))
+            _compat.optimizers_to_device([optimizer], self.root_device)
+
+    # ------------------------------------------------------------------ end of a run
+    def on_train_end(self) -> None:
+        # collective: gather the trained weights so the launching process ends up with the whole model
+        self._full_state = self.lightning_module_state_dict() if self.global_rank == 0 else None
+        if self.global_rank != 0:
+            self.lightning_module_state_dict()  # take part in the gather
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if self.runner is not None:
+            self.runner.uninstall()
+        for obj, name in reversed(self._patched):
+            obj.__dict__.pop(name, None)
+        self._patched.clear()
+        if module is not None and self._full_state is not None:
+            module.load_state_dict(self._full_state, assign=True)
+            self._full_state = None
+        if module is not None:
+            for t in list(module.parameters()) + list(module.buffers()):
+                if t.device.type not in ("meta", "cpu"):
+                    t.data = t.data.cpu()
+        self.runner = None
+        self.executor = None
+        assert self.accelerator is not None
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "clapping", cls, description="Pipeline-parallel training with compressed inter-stage messages"
+        )
+
+
+def _loss(out: Any) -> Tensor:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+class _ClappingLauncher(_compat.SubprocessScriptLauncher):
+    """Lightning's script launcher, with the model checked before any process starts."""
+
+    def __init__(self, strategy: ClappingStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        model = next((a for a in args if isinstance(a, pl.LightningModule)), None)
+        if model is None and trainer is not None:
+            model = trainer.lightning_module
+        if model is not None:
+            self._strategy.check_model(model)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
