@@ -439,11 +439,27 @@ class ClappingStrategy(ParallelStrategy):
             _compat.optimizers_to_device([optimizer], self.root_device)
 
     # ------------------------------------------------------------------ end of a run
+    def _gather_full_weights(self) -> None:
+        """Collective: collect the whole model on rank 0, which loads it back into the user's module at teardown.
+
+        Runs at the normal end of every top-level run (fit, validate, test, predict), so the module object in the
+        launching process always ends up complete.
+        """
+        state = self.lightning_module_state_dict()
+        self._full_state = state if self.global_rank == 0 else None
+
     def on_train_end(self) -> None:
-        # collective: gather the trained weights so the launching process ends up with the whole model
-        self._full_state = self.lightning_module_state_dict() if self.global_rank == 0 else None
-        if self.global_rank != 0:
-            self.lightning_module_state_dict()  # take part in the gather
+        self._gather_full_weights()
+
+    def on_validation_end(self) -> None:
+        if self.lightning_module.trainer.state.fn == TrainerFn.VALIDATING:
+            self._gather_full_weights()
+
+    def on_test_end(self) -> None:
+        self._gather_full_weights()
+
+    def on_predict_end(self) -> None:
+        self._gather_full_weights()
 
     def teardown(self) -> None:
         module = self.lightning_module

