@@ -1,0 +1,74 @@
+"""Runs that must fail cleanly (a clear message, every process ends).
+
+python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies
+"""
+
+import os
+import sys
+from datetime import timedelta
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_clapping
+from _models import SequentialMLP, classification_data
+
+
+class SkipAcrossTheCut(L.LightningModule):
+    """``h0`` is computed on stage 0 and used on stage 1 without passing through the cut module ``c``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(16, 16) for _ in range(4))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h0 = self.a(x)
+        h = self.c(self.b(h0))
+        return self.out(self.d(h + h0))
+
+    def training_step(self, batch, i):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class DiesAtStep(SequentialMLP):
+    def __init__(self, rank_to_die):
+        super().__init__()
+        self.rank_to_die = rank_to_die
+
+    def training_step(self, batch, i):
+        if i == 2 and self.trainer.global_rank == self.rank_to_die:
+            os._exit(3)
+        return super().training_step(batch, i)
+
+
+def main(case):
+    torch.manual_seed(0)
+    x, y = classification_data(n=64)
+    batch_size, microbatches, split = 16, 4, ["net.4"]
+    timeout = timedelta(minutes=10)
+    if case == "unsplittable":
+        model, split = SkipAcrossTheCut(), ["c"]
+    elif case == "microbatches":
+        model, batch_size, microbatches = SequentialMLP(), 4, 8
+    elif case == "child_dies":
+        model = DiesAtStep(rank_to_die=1)
+    elif case == "rank0_dies":
+        model, timeout = DiesAtStep(rank_to_die=0), timedelta(seconds=15)
+    else:
+        raise SystemExit(f"unknown case {case}")
+    strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=microbatches, timeout=timeout)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch_size))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,97 @@
+"""Bad input gets a clear error before work starts; a failing stage does not leave the others hanging."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+
+import lightning_clapping
+from lightning_clapping import ClappingStrategy, PartitionError
+from _models import SequentialMLP, TinyGPT
+from conftest import launch
+
+
+def _trainer(devices, **strategy_kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=ClappingStrategy(**strategy_kwargs), logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_devices_must_match_the_number_of_stages():
+    with pytest.raises(ValueError, match=r"cut the model into 3 stages, but the Trainer starts 2 processes"):
+        _trainer(2, split_points=["net.2", "net.4"])
+
+
+def test_unknown_cut_point_is_refused_before_any_process_starts_and_lists_what_exists():
+    trainer = _trainer(2, split_points=["net.99"])
+    with pytest.raises(PartitionError, match=r"'net.99' is not a submodule.*Cuttable blocks: net.0, net.1, net.2"):
+        trainer.fit(SequentialMLP())
+    assert not trainer.strategy.launcher.procs, "no rank may be started for a model that cannot be cut"
+
+
+def test_more_stages_than_cuttable_blocks_is_refused():
+    model = SequentialMLP(depth=2)  # net = Linear, Tanh, Linear: three blocks
+    with pytest.raises(PartitionError, match=r"cannot cut the model into 5 stages: it has only 3 cuttable blocks"):
+        _trainer(5).fit(model)
+
+
+def test_container_that_forward_never_calls_is_refused_as_a_cut_point():
+    with pytest.raises(PartitionError, match=r"'blocks' is a ModuleList, which forward never calls.*blocks.0"):
+        _trainer(2, split_points=["blocks"]).fit(TinyGPT())
+
+
+def test_spawn_launch_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"start_method='spawn'.*is refused.*most of its weights untrained"):
+        ClappingStrategy(start_method="spawn")
+
+
+def test_manual_optimization_is_refused():
+    class Manual(SequentialMLP):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match=r"automatic optimization only"):
+        _trainer(2).fit(Manual())
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"microbatches": 0}, "microbatches must be a positive integer"),
+    ({"schedule": "zigzag"}, "unknown schedule 'zigzag'"),
+    ({"split_points": "net.2"}, "split_points must be a list of module names"),
+])
+def test_bad_strategy_arguments_are_refused(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ClappingStrategy(**kwargs)
+
+
+def test_strategy_name_is_registered_on_import():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="clapping", logger=False)
+    assert isinstance(trainer.strategy, lightning_clapping.ClappingStrategy)
+
+
+def test_forward_that_cannot_be_split_fails_with_the_reason(tmp_path):
+    proc = launch("failing_run.py", "unsplittable", cwd=tmp_path, expect_ok=False, timeout=120)
+    assert proc.returncode != 0
+    assert "cannot be cut here" in proc.stderr and "cut module's inputs" in proc.stderr
+
+
+def test_microbatches_larger_than_the_batch_are_refused_at_the_first_step(tmp_path):
+    proc = launch("failing_run.py", "microbatches", cwd=tmp_path, expect_ok=False, timeout=120)
+    assert proc.returncode != 0
+    assert "microbatches=8 is larger than the batch (4 samples)" in proc.stderr
+
+
+def test_a_stage_that_dies_ends_the_whole_run(tmp_path):
+    start = time.monotonic()
+    proc = launch("failing_run.py", "child_dies", cwd=tmp_path, expect_ok=False, timeout=180)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+
+
+def test_when_rank0_dies_the_other_stages_stop_after_the_timeout(tmp_path):
+    start = time.monotonic()
+    proc = launch("failing_run.py", "rank0_dies", cwd=tmp_path, expect_ok=False, timeout=180)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
