@@ -22,7 +22,15 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: 
 )
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 
+
+
+def set_metric_step_value(metric, value) -> None:
+    """Lightning reads a logged torchmetrics Metric's per-step value from its private ``_forward_cache``."""
+    metric._forward_cache = value
+
+
 __all__ = [
+    "set_metric_step_value",
     "SubprocessScriptLauncher",
     "all_gather_if_available",
     "default_backend_for_device",

@@ -22,11 +22,17 @@ Built-in codecs, by the string :func:`get_codec` accepts (``codec.name`` gives t
 The quantizer (b >= 2) uses the levels ``k*s/L`` for integers ``k`` in ``[-L, L]``, ``L = 2**(b-1) - 1``, with ``s`` the
 max-abs of the values sharing the scale: zero is a level, round-to-nearest errs by at most ``s/(2L)``, and a
 constant tensor comes back exactly. Codes are offset to ``k + L`` (unsigned) and bit-packed densely: ``n`` values take
-``ceil(n*b/8)`` bytes. With ``b == 1`` a value is sent as its sign times the scale; the scale is the mean of ``|x|``
-(the L2-best scale for a sign pattern), or the max-abs under ``:sr`` so that the stochastic sign stays unbiased.
+``ceil(n*b/8)`` bytes. With ``b == 1`` a value is sent as its sign (zero counts as positive) times the scale; the
+scale is the mean of ``|x|`` (the L2-best scale for a sign pattern), or the max-abs under ``:sr`` so that the
+stochastic sign stays unbiased.
 
 Every lossy codec refuses NaN and inf with :class:`NonFiniteError` (see :func:`check_finite`); ``identity`` carries
-them bit-exactly. Payloads and decoded tensors never share memory with the caller's tensors.
+them bit-exactly. Payloads and decoded tensors never share memory with the caller's tensors; ``decode_into`` writes
+into a buffer the caller reuses (no fresh allocation per message).
+
+Everything runs in eager PyTorch, no compiler needed; ``benchmarks/codec_speed.py`` measures each codec against a
+plain memory copy. A first ``torch.compile`` of the quantizer's steps (dynamic shapes) ran slower than this eager code
+on the project's CPU, so there is no compiled path.
 
 Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see its docstring).
 """
@@ -50,9 +56,9 @@ __all__ = [
 ]
 
 _LITTLE = sys.byteorder == "little"
-# Values processed per step of the quantizer's element-wise loops: small enough that the float32 temporaries stay in
-# the CPU's L2 cache, large enough that Python's per-op overhead stays small. The payload layout does not depend on it.
-_CHUNK = 1 << 18
+# Values per step of the quantizer's element-wise loops: the float32 temporaries (2 MB) stay in the CPU caches, and
+# Python's per-operation overhead stays small next to the work. The payload layout does not depend on it.
+_CHUNK = 1 << 19
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -74,8 +80,9 @@ def check_finite(x: Tensor) -> None:
 
 def _finite_peak(x: Tensor) -> float:
     """max |x| as a Python float (0 for an empty tensor); raises NonFiniteError for NaN/inf."""
-    if x.numel() == 0 or not (x.is_floating_point() or x.is_complex()):
+    if x.numel() == 0 or not x.is_floating_point():
         return 0.0
+    x = x.detach()
     lo, hi = torch.stack([x.amin(), x.amax()]).float().tolist()
     if math.isfinite(lo) and math.isfinite(hi):
         return max(hi, -lo)
@@ -140,6 +147,14 @@ class Codec(abc.ABC):
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """The exact length of ``encode(x)`` for any ``x`` of this shape and dtype."""
 
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        """Decode into the preallocated tensor ``out`` (its shape and dtype are those sent) and return it.
+
+        Saves the allocation of a fresh output, e.g. for a receive buffer reused every step. The built-in codecs
+        write straight into a contiguous ``out``; this default decodes and copies.
+        """
+        return out.copy_(self.decode(payload, out.shape, out.dtype, seed=seed))
+
     def check_payload(self, payload: Tensor, shape: Sequence[int], dtype: torch.dtype) -> int:
         """Raise ValueError unless ``payload`` is a 1-D uint8 tensor of the expected length; returns ``numel(shape)``."""
         if payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -198,13 +213,12 @@ def _fields(bits: int) -> list[tuple[int, int]]:
 
 
 def pack_bits(codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
-    """Pack ``n`` non-negative integer codes below ``2**bits`` (1 <= bits <= 63) into ``ceil(n*bits/8)`` bytes.
+    """Pack ``n`` non-negative integer codes below ``2**bits`` (0 <= bits <= 63) into ``ceil(n*bits/8)`` bytes.
 
-    Layout: the first ``m = 8*(n//8)`` codes are packed field by field (see :func:`_fields`). For a field of ``w``
-    bits the ``m`` field values are cut into ``8//w`` equal planes and byte ``i`` of the field's block holds value
-    ``i`` of plane ``j`` in bits ``[j*w, (j+1)*w)``. The remaining ``n - m`` (< 8) codes follow as a little-endian
-    bit stream. Codes wider than 8 bits must be given as int64; narrower ones as uint8 (other integer dtypes are
-    converted).
+    Layout: the first ``m = 64*(n//64)`` codes are packed field by field (see :func:`_fields`). For a field of ``w``
+    bits the ``m`` field values are cut into ``8//w`` equal planes, and byte ``i`` of the field's block holds value
+    ``i`` of plane ``j`` in bits ``[j*w, (j+1)*w)``. The last ``n - m`` (< 64) codes follow as a little-endian bit
+    stream. Codes up to 8 bits wide are taken as uint8 (int8 is reinterpreted), wider ones as int64.
     """
     if not 0 <= bits <= 63:
         raise ValueError(f"pack_bits: bits must be in 0..63, got {bits}")
@@ -217,24 +231,20 @@ def pack_bits(codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
         raise ValueError(f"pack_bits: out must be uint8 with {nbytes} elements, got {out.dtype} {tuple(out.shape)}")
     if n == 0 or bits == 0:
         return out
-    wide = bits > 8
-    if wide:
-        codes = codes.to(torch.int64).contiguous()
-    elif codes.dtype == torch.int8:
-        codes = codes.contiguous().view(torch.uint8)
+    if bits <= 8:
+        codes = codes.contiguous().view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8).contiguous()
+        byte_rows = [codes]
     else:
-        codes = codes.to(torch.uint8).contiguous()
-    width_bytes = 8 if wide else 1
-    columns = codes.view(torch.uint8).view(n, width_bytes)
-    m = n - n % 8
+        codes = codes.to(torch.int64)
+        byte_rows = list(_byte_rows(codes, (bits + 7) // 8))
+    m = n - n % 64
     pos = 0
     for shift, width in _fields(bits):
         byte, offset = divmod(shift, 8)
-        field = columns[:m, byte if _LITTLE else width_bytes - 1 - byte]
-        if offset:
-            field = field >> offset
-        if offset + width < 8 and shift + width < bits:
-            field = field & ((1 << width) - 1)
+        field = byte_rows[byte][:m]
+        if offset or (offset + width < 8 and shift + width < bits):  # isolate the field's bits in each byte
+            (word,), rep = _as_words(field)
+            field = ((word >> offset) & (((1 << width) - 1) * rep)).view(torch.uint8)
         size = m * width // 8
         _pack_planes(field, 8 // width, width, out[pos : pos + size])
         pos += size
@@ -243,20 +253,57 @@ def pack_bits(codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
     return out
 
 
+def _byte_rows(codes: Tensor, count: int) -> Tensor:
+    """The low ``count`` bytes of each int64 code as ``count`` contiguous rows, padded to a multiple of 64 values."""
+    n = codes.numel()
+    columns = codes.contiguous().view(torch.uint8).view(n, 8)
+    order = list(range(count)) if _LITTLE else [7 - j for j in range(count)]
+    rows = torch.zeros(count, -(-n // 64) * 64, dtype=torch.uint8, device=codes.device)
+    rows[:, :n] = columns[:, order].t()
+    return rows
+
+
+def _as_words(*parts: Tensor) -> tuple[list[Tensor], int]:
+    """View byte runs as int32 words when all of them allow it (torch's byte shifts are not vectorized).
+
+    Returns the views and the factor that repeats a one-byte mask over a word (0x01010101, or 1 for plain bytes).
+    Only right shifts followed by a byte mask are applied to words, so no bit leaks into another byte's result.
+    """
+    if all(p.is_contiguous() and p.numel() % 4 == 0 and p.storage_offset() % 4 == 0 for p in parts):
+        return [p.view(torch.int32) for p in parts], 0x01010101
+    return list(parts), 1
+
+
 def _pack_planes(field: Tensor, planes: int, width: int, dst: Tensor) -> None:
-    if dst.numel() == 0:
-        return
-    if planes == 1:
-        dst.copy_(field)
-        return
+    # The planes hold disjoint bits, so adding them shifted is OR-ing them; uint8 addition is vectorized, and it
+    # wraps instead of overflowing.
     size = dst.numel()
-    torch.bitwise_left_shift(field[size : 2 * size], width, out=dst)
-    dst.bitwise_or_(field[:size])
-    if planes > 2:
-        tmp = torch.empty_like(dst)
-        for j in range(2, planes):
-            torch.bitwise_left_shift(field[j * size : (j + 1) * size], j * width, out=tmp)
-            dst.bitwise_or_(tmp)
+    if size == 0:
+        return
+    parts = [field[j * size : (j + 1) * size] for j in range(planes)]
+    if planes == 1:
+        dst.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], alpha=1 << width, out=dst)
+    for j in range(2, planes):
+        dst.add_(parts[j], alpha=1 << (j * width))
+
+
+def _unpack_planes(src: Tensor, planes: int, width: int, dst: Tensor) -> None:
+    size = src.numel()
+    if size == 0:
+        return
+    (src, *parts), rep = _as_words(src, *(dst[j * size : (j + 1) * size] for j in range(planes)))
+    if planes == 1:
+        parts[0].copy_(src)
+        return
+    mask = ((1 << width) - 1) * rep
+    for j, part in enumerate(parts):
+        if j == 0:
+            torch.bitwise_and(src, mask, out=part)
+        else:
+            torch.bitwise_right_shift(src, j * width, out=part)
+            part.bitwise_and_(mask)
 
 
 def _pack_tail(codes: Tensor, bits: int) -> Tensor:
@@ -266,62 +313,52 @@ def _pack_tail(codes: Tensor, bits: int) -> Tensor:
     return (stream.view(-1, 8) << torch.arange(8, device=device)).sum(1).to(torch.uint8)
 
 
+def _unpack_tail(src: Tensor, count: int, bits: int) -> Tensor:
+    device = src.device
+    stream = ((src.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=device)) & 1).reshape(-1)
+    stream = stream[: count * bits].view(count, bits)
+    return (stream << torch.arange(bits, device=device)).sum(1)
+
+
 def unpack_bits(packed: Tensor, n: int, bits: int) -> Tensor:
     """Inverse of :func:`pack_bits`: ``n`` codes as a new uint8 tensor (``bits <= 8``) or int64 tensor (wider)."""
     if not 0 <= bits <= 63:
         raise ValueError(f"unpack_bits: bits must be in 0..63, got {bits}")
     if packed.numel() != packed_nbytes(n, bits):
         raise ValueError(f"unpack_bits: {n} codes of {bits} bits take {packed_nbytes(n, bits)} bytes, got {packed.numel()}")
-    wide = bits > 8
     device = packed.device
+    wide = bits > 8
     if n == 0 or bits == 0:
         return torch.zeros(n, dtype=torch.int64 if wide else torch.uint8, device=device)
-    out = torch.zeros(n, dtype=torch.int64, device=device) if wide else torch.empty(n, dtype=torch.uint8, device=device)
-    width_bytes = 8 if wide else 1
-    columns = out.view(torch.uint8).view(n, width_bytes)
-    m = n - n % 8
+    m = n - n % 64
+    if wide:
+        rows = torch.empty((bits + 7) // 8, m, dtype=torch.uint8, device=device)
+    else:
+        out = torch.empty(n, dtype=torch.uint8, device=device)
+        rows = out[:m].view(1, m)
     pos = 0
     for shift, width in _fields(bits):
         byte, offset = divmod(shift, 8)
-        dst = columns[:m, byte if _LITTLE else width_bytes - 1 - byte]
         size = m * width // 8
         src = packed[pos : pos + size]
         pos += size
-        if offset == 0 and not wide:  # the first field of a narrow code: write in place
-            _unpack_planes(src, 8 // width, width, dst)
+        if offset == 0:  # the first field of a byte sets it
+            _unpack_planes(src, 8 // width, width, rows[byte])
         else:
             values = torch.empty(m, dtype=torch.uint8, device=device)
             _unpack_planes(src, 8 // width, width, values)
-            if offset:
-                values.bitwise_left_shift_(offset)
-            dst.bitwise_or_(values)
-    if m < n:
-        out[m:] = _unpack_tail(packed[pos:], n - m, bits).to(out.dtype)
+            rows[byte].add_(values, alpha=1 << offset)  # disjoint bits: adding is OR-ing
+    tail = _unpack_tail(packed[pos:], n - m, bits) if m < n else None
+    if not wide:
+        if tail is not None:
+            out[m:] = tail.to(torch.uint8)
+        return out
+    out = torch.zeros(n, dtype=torch.int64, device=device)
+    order = list(range(rows.shape[0])) if _LITTLE else [7 - j for j in range(rows.shape[0])]
+    out.view(torch.uint8).view(n, 8)[:m, order] = rows.t()
+    if tail is not None:
+        out[m:] = tail
     return out
-
-
-def _unpack_planes(src: Tensor, planes: int, width: int, dst: Tensor) -> None:
-    if src.numel() == 0:
-        return
-    if planes == 1:
-        dst.copy_(src)
-        return
-    size, mask = src.numel(), (1 << width) - 1
-    for j in range(planes):
-        part = dst[j * size : (j + 1) * size]
-        if j == 0:
-            torch.bitwise_and(src, mask, out=part)
-        else:
-            torch.bitwise_right_shift(src, j * width, out=part)
-            if j < planes - 1:
-                part.bitwise_and_(mask)
-
-
-def _unpack_tail(src: Tensor, count: int, bits: int) -> Tensor:
-    device = src.device
-    stream = ((src.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=device)) & 1).reshape(-1)
-    stream = stream[: count * bits].view(count, bits)
-    return (stream << torch.arange(bits, device=device)).sum(1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -340,8 +377,12 @@ class IdentityCodec(Codec):
         return out
 
     def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        self.check_payload(payload, shape, dtype)
-        out = torch.empty(shape, dtype=dtype, device=payload.device)
+        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
+
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        self.check_payload(payload, out.shape, out.dtype)
+        if not out.is_contiguous():
+            return super().decode_into(payload, out, seed=seed)
         out.view(-1).view(torch.uint8).copy_(payload)
         return out
 
@@ -350,7 +391,10 @@ class IdentityCodec(Codec):
 
 
 class CastCodec(Codec):
-    """Sends the values cast to a narrower float type, saturating at its largest finite value."""
+    """Sends the values cast to a narrower float type, saturating at its largest finite value.
+
+    Values below the target's smallest subnormal flush to zero, as in any cast. Payload: the cast values' bytes.
+    """
 
     def __init__(self, target: torch.dtype, name: str):
         self.target = target
@@ -369,9 +413,16 @@ class CastCodec(Codec):
         return cast.view(torch.uint8)
 
     def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        self.check_payload(payload, shape, dtype)
-        values = _bytes_as(payload, self.target)
-        return values.to(dtype, copy=True).view(shape)
+        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
+
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        self.check_payload(payload, out.shape, out.dtype)
+        if self.target == getattr(torch, "float8_e4m3fn", None) and out.is_contiguous():
+            # torch converts this type one value at a time on the CPU; a 256-entry table lookup is ~4x faster
+            table = torch.arange(256, dtype=torch.uint8, device=payload.device).view(self.target).to(out.dtype)
+            torch.index_select(table, 0, payload.to(torch.int32), out=out.view(-1))
+            return out
+        return out.copy_(_bytes_as(payload, self.target).view(out.shape))
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         return math.prod(shape) * self.target.itemsize
@@ -467,6 +518,8 @@ class QuantCodec(Codec):
         return 4 * n_scales + packed_nbytes(math.prod(shape), self.bits)
 
     # -- encode --------------------------------------------------------------------------------------------------
+    # Element-wise work runs chunk by chunk (see _CHUNK) in float32 scratch that stays in cache. Per-row scales are
+    # applied with at most one broadcast operand per operation: torch vectorizes only that case.
 
     def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
         _require_float(x, self)
@@ -475,42 +528,37 @@ class QuantCodec(Codec):
         if not blocks:
             return payload
         flat = x.detach().reshape(-1)
-        if self.bits == 1 and not self.stochastic:
+        mean = self.bits == 1 and not self.stochastic
+        if mean:
             check_finite(flat)  # a mean hides which value was bad: check the input itself
-            scales = self._mean_abs(flat, blocks, n_scales)
-        else:
-            scales = self._max_abs(flat, blocks, n_scales)
-            if not bool(torch.isfinite(scales).all()):  # max-abs is NaN or inf exactly when an input value is
-                check_finite(flat)  # raises NonFiniteError with the details
+        scales = self._scales(flat, blocks, n_scales, mean)
+        if not bool(torch.isfinite(scales).all()):  # max-abs is NaN or inf exactly when an input value is
+            check_finite(flat)  # raises NonFiniteError with the details
+            scales = self._scales(flat.double(), blocks, n_scales, mean)  # a float32 sum of |x| overflowed
         payload[: 4 * n_scales].view(torch.float32).copy_(scales)
         pack_bits(self._codes(flat, blocks, scales, seed), self.bits, out=payload[4 * n_scales :])
         return payload
 
     @staticmethod
-    def _max_abs(flat: Tensor, blocks: list[_Block], n_scales: int) -> Tensor:
+    def _scales(flat: Tensor, blocks: list[_Block], n_scales: int, mean: bool) -> Tensor:
+        """max |x| (or mean |x|) over the values sharing each scale, as float32."""
         scales = torch.empty(n_scales, dtype=torch.float32, device=flat.device)
         scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=flat.dtype, device=flat.device)
+        accumulate = torch.float64 if flat.dtype == torch.float64 else torch.float32
         for block in blocks:
-            partial = []
+            dim, partial = 0 if block.per_column else 1, []
             for start, rows, cols, _ in block.chunks():
                 magnitude = scratch[: rows * cols].view(rows, cols)
-                torch.abs(flat[start : start + rows * cols].view(rows, cols), out=magnitude)  # stays in cache
-                partial.append(magnitude.amax(0 if block.per_column else 1))
+                torch.abs(flat[start : start + rows * cols].view(rows, cols), out=magnitude)
+                partial.append(magnitude.sum(dim, dtype=accumulate) if mean else magnitude.amax(dim))
             if block.per_column:
-                s = torch.stack(partial).amax(0)
-            elif block.rows == 1:
-                s = torch.cat(partial).amax().view(1)
+                s = torch.stack(partial).sum(0) if mean else torch.stack(partial).amax(0)
             else:
                 s = torch.cat(partial)
-            scales[block.first_scale : block.first_scale + s.numel()] = s
-        return scales
-
-    @staticmethod
-    def _mean_abs(flat: Tensor, blocks: list[_Block], n_scales: int) -> Tensor:
-        scales = torch.empty(n_scales, dtype=torch.float32, device=flat.device)
-        for block in blocks:
-            values = flat[block.start : block.start + block.rows * block.cols].view(block.rows, block.cols)
-            s = values.abs().mean(0 if block.per_column else 1, dtype=torch.float64)
+                if block.rows == 1:
+                    s = s.sum().view(1) if mean else s.amax().view(1)
+            if mean:
+                s = s / (block.rows if block.per_column else block.cols)
             scales[block.first_scale : block.first_scale + s.numel()] = s
         return scales
 
@@ -521,11 +569,14 @@ class QuantCodec(Codec):
         # A code is floor(x * inv + offset + u), u = 1/2 (round to nearest) or u ~ U[0, 1) (stochastic). The value
         # inside is never negative, so a truncating float->int conversion floors it. int8 converts fastest and holds
         # codes up to 127, i.e. every width but 8 bits (int16 there).
-        if self.bits == 1:  # stochastic sign with P(+) = (x/s + 1)/2: inv = 1/(2s), offset 1/2
-            inv, offset = torch.where(scales > 0, 0.5 / scales, 0.0), 0.5
-        else:
-            inv, offset = torch.where(scales > 0, self.levels / scales, 0.0), float(self.levels)
+        # Stochastic sign (one bit): P(+) = (x/s + 1)/2, i.e. inv = 1/(2s) and offset 1/2.
+        reach, offset = (0.5, 0.5) if self.bits == 1 else (float(self.levels), float(self.levels))
+        inv = torch.where(scales > 0, reach / scales, 0.0)
         inv = inv.clamp_(max=torch.finfo(torch.float32).max)  # a subnormal scale must not give inf * 0
+        # Round inv up where s * inv falls short of `reach` (checked exactly in float64): x = +-s then lands on the
+        # end codes under any rounding, which keeps constant tensors exact under stochastic rounding too.
+        short = (scales > 0) & (scales.double() * inv.double() < reach)
+        inv = torch.where(short, torch.nextafter(inv, torch.full_like(inv, math.inf)), inv)
         device = flat.device
         codes = torch.empty(flat.numel(), dtype=torch.int8 if self.top_code < 127 else torch.int16, device=device)
         scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=torch.float32, device=device)
@@ -536,11 +587,13 @@ class QuantCodec(Codec):
                 values = flat[start : start + rows * cols].view(rows, cols)
                 inv_part = block.scales_for(inv, first_row, rows)
                 shifted = scratch[: rows * cols].view(rows, cols)
-                if generator is None:
+                if generator is not None:
+                    shifted.uniform_(offset, offset + 1.0, generator=generator)
+                    shifted.addcmul_(values, inv_part)
+                elif block.per_column:
                     torch.addcmul(rounding, values, inv_part, out=shifted)
                 else:
-                    shifted.uniform_(offset, offset + 1.0, generator=generator)
-                    torch.addcmul(shifted, values, inv_part, out=shifted)
+                    torch.mul(values, inv_part, out=shifted).add_(offset + 0.5)
                 codes[start : start + rows * cols].view(rows, cols).copy_(shifted)
         if self.stochastic:  # float rounding can push floor(top + u) to top + 1
             codes.clamp_(0, self.top_code)
@@ -549,17 +602,22 @@ class QuantCodec(Codec):
     # -- decode --------------------------------------------------------------------------------------------------
 
     def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        n = self.check_payload(payload, shape, dtype)
+        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
+
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, out.shape, out.dtype)
+        if not out.is_contiguous():
+            return super().decode_into(payload, out, seed=seed)
+        shape, dtype, result, out = out.shape, out.dtype, out, out.view(-1)
         n_scales, blocks = self._layout(shape)
         device = payload.device
-        out = torch.empty(n, dtype=dtype, device=device)
         if not blocks:
-            return out.view(shape)
+            return result
         scales = _bytes_as(payload[: 4 * n_scales], torch.float32)
         neg_scales = scales.neg()
         codes = unpack_bits(payload[4 * n_scales :], n, self.bits)
-        # value = (c * (2/top) - 1) * s, computed as (c * a) * s - s with a = float32(2/top). c * a is exactly 0, 1
-        # and 2 at the codes 0, L and 2L (checked for every width), so zero, s and -s come back exactly.
+        # value = (c * a - 1) * s with a = float32(2 / top). c * a is exactly 0, 1 and 2 at the codes 0, L and 2L
+        # (true for every width here), so -s, zero and s come back exactly.
         a = 2.0 / self.top_code
         scratch = None
         if dtype != torch.float32:
@@ -570,10 +628,13 @@ class QuantCodec(Codec):
                 work = target if scratch is None else scratch[: rows * cols].view(rows, cols)
                 work.copy_(codes[start : start + rows * cols].view(rows, cols))
                 scale = block.scales_for(scales, first_row, rows)
-                torch.addcmul(block.scales_for(neg_scales, first_row, rows), work, scale, value=a, out=work)
+                if block.per_column:  # -s + (c * a) * s
+                    torch.addcmul(block.scales_for(neg_scales, first_row, rows), work, scale, value=a, out=work)
+                else:
+                    work.mul_(a).sub_(1.0).mul_(scale)
                 if work is not target:
                     target.copy_(work)
-        return out.view(shape)
+        return result
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -602,6 +663,25 @@ class _Sparsifier(Codec):
         return math.ceil(self.ratio * n)
 
 
+def _largest(magnitude: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries (ties broken arbitrarily), like ``topk`` but faster for large inputs.
+
+    A threshold read off a random sample with a safety margin of four standard deviations keeps a candidate set
+    that almost surely holds the top k; when it does not (fewer than k candidates), plain topk runs instead.
+    """
+    n = magnitude.numel()
+    if n >= 65536 and 4 * k <= n:
+        samples, below = 16384, 1 - k / n
+        rank = int(samples * below - 4 * math.sqrt(samples * below * (1 - below)))
+        if rank >= 1:
+            picks = torch.randint(n, (samples,), generator=_seeded(0, magnitude.device), device=magnitude.device)
+            threshold = magnitude[picks].kthvalue(rank).values
+            candidates = (magnitude >= threshold).nonzero().view(-1)
+            if candidates.numel() >= k:  # then every top-k value is >= threshold, i.e. a candidate
+                return candidates[magnitude[candidates].topk(k, sorted=False).indices]
+    return magnitude.topk(k, sorted=False).indices
+
+
 class TopKCodec(_Sparsifier):
     """Keeps the ``ceil(ratio*n)`` values of largest magnitude (fp16, saturating) and their flat indices.
 
@@ -624,19 +704,50 @@ class TopKCodec(_Sparsifier):
         payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
         if k == 0:
             return payload
-        index = flat.abs().topk(k, sorted=False).indices.sort().values
+        index = _largest(flat.abs(), k).sort().values
         payload[: 2 * k].view(torch.float16).copy_(_fp16_saturated(flat[index]))
         pack_bits(index, (n - 1).bit_length(), out=payload[2 * k :])
         return payload
 
     def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        n = self.check_payload(payload, shape, dtype)
+        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
+
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, out.shape, out.dtype)
+        if not out.is_contiguous():
+            return super().decode_into(payload, out, seed=seed)
         k = self.count(n)
-        out = torch.zeros(n, dtype=dtype, device=payload.device)
+        out.zero_()
         if k:
             index = unpack_bits(payload[2 * k :], k, (n - 1).bit_length()).long()
-            out[index] = _bytes_as(payload[: 2 * k], torch.float16).to(dtype)
-        return out.view(shape)
+            out.view(-1)[index] = _bytes_as(payload[: 2 * k], torch.float16).to(out.dtype)
+        return out
+
+
+def _random_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random k-subset of ``range(n)``, sorted, without a full permutation of ``n`` for small ``k``.
+
+    The distinct values among i.i.d. uniform draws form a uniform random subset of their size; drawing a few more
+    than needed and dropping a uniform random subset of the surplus (recursively) leaves a uniform k-subset.
+    """
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if 2 * k > n:  # the complement is the smaller problem
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[_random_subset(n, n - k, generator)] = False
+        return keep.nonzero().view(-1)
+    if n <= 65536 or 4 * k > n:
+        return torch.randperm(n, generator=generator)[:k].sort().values
+    draws = math.ceil(-n * math.log1p(-k / n) * 1.02) + 16  # expected distinct count: a little over k
+    pool = torch.randint(n, (draws,), generator=generator).unique()
+    while pool.numel() < k:
+        more = torch.randint(n, (2 * (k - pool.numel()) + 16,), generator=generator)
+        pool = torch.cat([pool, more]).unique()
+    if pool.numel() > k:
+        keep = torch.ones(pool.numel(), dtype=torch.bool)
+        keep[_random_subset(pool.numel(), pool.numel() - k, generator)] = False
+        pool = pool[keep]
+    return pool
 
 
 class RandKCodec(_Sparsifier):
@@ -653,18 +764,7 @@ class RandKCodec(_Sparsifier):
 
     def positions(self, n: int, seed: int) -> Tensor:
         """The ``count(n)`` distinct flat positions for ``seed``, sorted, as a CPU int64 tensor."""
-        k = self.count(n)
-        generator = _seeded(seed)
-        if 2 * k >= n:
-            chosen = torch.randperm(n, generator=generator)[:k]
-        else:  # distinct values of i.i.d. draws form a uniform random subset; far cheaper than a full permutation
-            draws = math.ceil(-n * math.log1p(-k / n) * 1.05) + 32
-            pool = torch.randint(n, (draws,), generator=generator).unique()
-            while pool.numel() < k:
-                more = torch.randint(n, (2 * (k - pool.numel()) + 32,), generator=generator)
-                pool = torch.cat([pool, more]).unique()
-            chosen = pool[torch.randperm(pool.numel(), generator=generator)[:k]]
-        return chosen.sort().values
+        return _random_subset(n, self.count(n), _seeded(seed))
 
     def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
         _require_float(x, self)
@@ -677,11 +777,16 @@ class RandKCodec(_Sparsifier):
         return values.view(torch.uint8)
 
     def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        n = self.check_payload(payload, shape, dtype)
-        out = torch.zeros(n, dtype=dtype, device=payload.device)
+        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device), seed=seed)
+
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, out.shape, out.dtype)
+        if not out.is_contiguous():
+            return super().decode_into(payload, out, seed=seed)
+        out.zero_()
         if n:
-            out[self.positions(n, seed).to(payload.device)] = _bytes_as(payload, torch.float16).to(dtype)
-        return out.view(shape)
+            out.view(-1)[self.positions(n, seed).to(payload.device)] = _bytes_as(payload, torch.float16).to(out.dtype)
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import CombinedLoader
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
@@ -278,8 +278,8 @@ class _MapSource:
     """A torch ``DataLoader`` over a map-style dataset whose index sampler has a length.
 
     The lazy loader draws the epoch's index order itself (the same way ``DataLoader.__iter__`` would, so p = 1 gives
-    exactly the same batches) and feeds it to an inner DataLoader with the same dataset, collate_fn, workers and pinning.
-    So the batch looks exactly as the wrapped loader would make it, and the indices of every batch are known.
+    exactly the same batches) and feeds it to an inner DataLoader with the same dataset, collate_fn, workers and
+    pinning. So the batch looks exactly as the wrapped loader would make it, and the indices of every batch are known.
     """
 
     kind = "map"
@@ -599,7 +599,7 @@ class _LazyIterator(Iterator):
         return self
 
     def __next__(self) -> Any:
-        return self._loader._next(self._epoch)
+        return self._loader._next(self)
 
 
 class LazySamplingLoader:
@@ -628,10 +628,12 @@ class LazySamplingLoader:
         fresh decision that finds the wrapped loader exhausted; that step opens the next epoch, whose first batch is
         fresh anyway. So the last batch of an epoch keeps its full reuse window and every batch of the wrapped loader
         is drawn exactly once per epoch. When the source has a length, ``len(loader)`` is the exact number of steps
-        the current (or, between epochs, the next) epoch takes; it varies from epoch to epoch.
-        :class:`LazySamplingDataModule` therefore asks Lightning to re-read the length each epoch (see there).
-        ``max_steps`` works as usual; if Lightning stops an epoch early (``limit_train_batches``), the next
-        ``iter()`` starts a new pass and the rest of the interrupted one is dropped.
+        the current (or, between epochs, the next) epoch takes, computed by simulating the decision stream; it
+        varies from epoch to epoch. Lightning reads a train loader's length only when it loads it, so a loader bound
+        to a trainer (automatic with :class:`LazySamplingDataModule`, or :meth:`bind_trainer`) updates the fit
+        loop's batch count at the first step of every epoch (see ``_sync_trainer_length``). ``max_steps`` works as
+        usual. If Lightning stops an epoch early (``limit_train_batches``), the next ``iter()`` starts a new pass
+        and the rest of the interrupted one is dropped.
 
     Metadata:
         ``batch_info(batch_idx)`` gives the :class:`BatchInfo` of the batch yielded at position ``batch_idx`` of the
@@ -655,6 +657,11 @@ class LazySamplingLoader:
         The loader implements ``state_dict``/``load_state_dict``. Lightning stores them with the fit loop (through
         ``CombinedLoader._state_dicts``) and loads them before it creates the epoch's iterator when resuming with
         ``ckpt_path=``, so a run resumed mid-epoch (even mid-window) continues with the same decisions and batches.
+        :class:`LazySamplingDataModule` also keeps a copy in its own ``state_dict``, which Lightning restores before
+        reading the loader's length. Resumes rely on the loader being bound to the trainer: the data module does
+        that; a bare loader passed to ``Trainer.fit(train_dataloaders=...)`` must get ``loader.bind_trainer(trainer)``
+        before ``fit`` (otherwise a resume of a source without length can be one batch off, and a resume at an
+        epoch boundary can misalign ``batch_info``).
         Saved: counters, the epoch position, the current batch (when it contains only tensors/numbers/strings in
         lists/tuples/dicts; otherwise it is rebuilt from its indices, or by re-reading an iterable), and the RNG
         states the epoch's index order was drawn from. Because Lightning may already have fetched one batch ahead,
@@ -745,8 +752,18 @@ class LazySamplingLoader:
         return info
 
     def bind_trainer(self, trainer: Any) -> None:
-        """Let ``state_dict`` know how far the trainer has consumed (Lightning fetches ahead). Held weakly."""
-        self._trainer_ref = None if trainer is None else weakref.ref(trainer)
+        """Link the loader to the trainer that trains on it (held weakly; done by LazySamplingDataModule).
+
+        The loader then checkpoints the batch the trainer has consumed (Lightning fetches ahead), maps Lightning's
+        ``batch_idx`` after a resume, and tells the fit loop the length of each epoch. Call it before ``fit``.
+        """
+        if trainer is None:
+            self._trainer_ref = None
+            return
+        try:
+            self._trainer_ref = weakref.ref(trainer)
+        except TypeError:  # objects without weakref support (test doubles)
+            self._trainer_ref = lambda: trainer
 
     def replace_source(self, source: Iterable) -> None:
         """Draw from ``source`` from the next epoch on (decision stream and counters continue)."""
@@ -758,10 +775,7 @@ class LazySamplingLoader:
     # -- length / planning -------------------------------------------------------------------------------------------
 
     def _epoch_complete(self, ep: _Epoch) -> bool:
-        """All steps of the epoch were handed to someone (a restored epoch counts once iter() handed it out)."""
-        return ep.finished or (
-            (ep.started or ep.iterated) and ep.total is not None and ep.pos >= ep.total
-        )
+        return ep.finished or (ep.total is not None and ep.pos >= ep.total)
 
     def _plan(self) -> _Epoch:
         n = self._source.num_batches()
@@ -769,8 +783,9 @@ class LazySamplingLoader:
         return _Epoch(self._epochs_begun, self._step, n, total)
 
     def _current_or_next(self) -> _Epoch:
+        """The epoch len() describes: the running one, else the one the next iter() will run."""
         ep = self._epoch
-        if ep is None or self._epoch_complete(ep):
+        if ep is None or ep.finished or (ep.started and self._epoch_complete(ep)):
             if ep is not None:
                 self._close(ep)
             ep = self._epoch = self._plan()
@@ -784,13 +799,12 @@ class LazySamplingLoader:
 
     def __iter__(self) -> Iterator:
         ep = self._epoch
-        if ep is None or ep.started or self._epoch_complete(ep):
+        if ep is None or ep.started or ep.finished:
             if ep is not None:
                 self._close(ep)
             ep = self._epoch = self._plan()
-        # An unstarted epoch (planned by len(), restored by load_state_dict, or made by an abandoned iter()) is used
-        # as is: nothing happens before the first next().
-        ep.iterated = True
+        # An unstarted epoch (planned by len(), restored by load_state_dict, or left by an iter() nobody pulled from,
+        # like Lightning's iterability check) is used as is: nothing happens before the first next().
         return _LazyIterator(self, ep)
 
     def _close(self, ep: _Epoch) -> None:
@@ -804,21 +818,28 @@ class LazySamplingLoader:
         ep.started = True
         ready = self._trainer_ready()
         if ready is not None:
-            ep.offset = ready - (int(ep.restore["entry"]["pos"]) if ep.restore is not None else 0)
+            ep.offset = ready - ep.pos
         if ep.restore is not None:
             self._apply_restore(ep)
-            return
-        self._epochs_begun = ep.index + 1
-        ep.src = self._source.begin(ep.index)
-        if self._source.kind == "map":
-            n = len(ep.src.order)
-            if n != ep.num_batches:
-                ep.num_batches, ep.total = n, self._decisions.epoch_steps(ep.start, n)
-        self._record_snapshot(ep)
+        else:
+            self._epochs_begun = ep.index + 1
+            ep.src = self._source.begin(ep.index)
+            if self._source.kind == "map":
+                n = len(ep.src.order)
+                if n != ep.num_batches:
+                    ep.num_batches, ep.total = n, self._decisions.epoch_steps(ep.start, n)
+            self._record_snapshot(ep)
+        self._sync_trainer_length(ep)
 
-    def _next(self, ep: _Epoch) -> Any:
+    def _next(self, it: _LazyIterator) -> Any:
+        ep = it._epoch
         if self._epoch is not ep or ep.finished:
             raise StopIteration
+        if not ep.started and ep.restore is not None and self._epoch_complete(ep):
+            # Resumed from a checkpoint taken after the last step of an epoch: this iterator carries on with the
+            # next epoch, as a new pass of a plain DataLoader would.
+            self._close(ep)
+            ep = it._epoch = self._epoch = self._plan()
         if not ep.started:
             self._begin(ep)
         t = self._step
@@ -836,7 +857,7 @@ class LazySamplingLoader:
             self._fresh_total += 1
             self._distinct += count
             ep.batch, ep.ids, ep.has_batch, ep.wrapped_state = batch, ids, True, wrapped_state
-            # Older snapshots may only keep the current batch alive (the stream is never buffered).
+            # Older snapshots may not keep an earlier batch alive (the stream is never buffered).
             for snap in ep.snapshots.values():
                 snap.batch = None
         info = BatchInfo(fresh, self._fresh_total - 1, ep.ids, self._distinct, t)
@@ -847,6 +868,52 @@ class LazySamplingLoader:
         ep.pos += 1
         self._record_snapshot(ep)
         return ep.batch
+
+    def _sync_trainer_length(self, ep: _Epoch) -> None:
+        """Tell a fitting Lightning trainer how many batches this epoch has.
+
+        Lightning reads the length of a train loader once, when it loads it, and keeps it for later epochs; lazy
+        epochs differ in length. So at the first step of each epoch the loader updates the fit loop's batch count,
+        the CombinedLoader limit, the fetcher's length and a fraction-based ``val_check_batch``. This is left alone
+        when ``limit_train_batches`` is set or the loader is combined with others.
+        """
+        if ep.total is None or self._trainer_ref is None:
+            return
+        trainer = self._trainer_ref()
+        if trainer is None:
+            return
+        try:
+            if getattr(trainer.state, "fn", None) != "fit":
+                return
+            limit = trainer.limit_train_batches
+            if not (isinstance(limit, float) and limit == 1.0):
+                return
+            fit_loop = trainer.fit_loop
+            combined = fit_loop._combined_loader
+            if combined is None or len(combined.flattened) != 1 or _search(combined.flattened[0]) is not self:
+                return
+            want = ep.offset + ep.total
+            if fit_loop.max_batches == want:
+                return
+            combined.limits = [want]
+            fit_loop.max_batches = want
+            fetcher = fit_loop._data_fetcher
+            if fetcher is not None and getattr(fetcher, "length", None) is not None:
+                fetcher.length = want
+            interval = trainer.val_check_interval
+            if (
+                isinstance(interval, float)
+                and getattr(trainer, "_val_check_time_interval", None) is None
+                and trainer.val_check_batch not in (None, float("inf"))
+            ):
+                trainer.val_check_batch = max(1, int(want * interval))
+        except Exception as err:  # pragma: no cover - only on an incompatible Lightning
+            if not getattr(self, "_warned_sync", False):
+                self._warned_sync = True
+                rank_zero_warn(
+                    f"LazySamplingLoader: could not update Lightning's epoch length ({err!r}); epochs longer than the "
+                    "first may be cut short. Set Trainer(reload_dataloaders_every_n_epochs=1) as a workaround."
+                )
 
     def _record_snapshot(self, ep: _Epoch) -> None:
         ep.snapshots[ep.pos] = _Snapshot(
@@ -982,7 +1049,6 @@ class LazySamplingLoader:
     def _apply_restore(self, ep: _Epoch) -> None:
         entry = ep.restore["entry"]  # type: ignore[index]
         ep.restore = None
-        ep.pos, ep.fresh = int(entry["pos"]), int(entry["fresh"])
         ep.ids = entry["ids"]
         ep.wrapped_state = entry.get("wrapped_state")
         self._epochs_begun = ep.index + 1
@@ -1050,10 +1116,11 @@ class LazySamplingDataModule(LightningDataModule):
     ``state_dict``/``load_state_dict`` and ``on_exception`` go to the wrapped module unchanged; hooks it does not
     define stay undefined here. Unknown attributes are looked up on the wrapped module.
 
-    Epochs of a lazy loader have different lengths, and Lightning reads the length of the train loader only when it
-    (re)loads it. So when ``p < 1`` and the loader has a length, ``train_dataloader()`` sets
-    ``trainer.reload_dataloaders_every_n_epochs = 1`` if it was 0 (this also re-requests the wrapped module's
-    validation loaders every epoch); with a value above 1 it warns that longer epochs will be cut short.
+    The loader is bound to the trainer (weakly), which lets it (a) take checkpoints at the batch the trainer has
+    consumed although Lightning fetches ahead, and (b) tell Lightning the exact length of every epoch (lazy epochs
+    differ in length; Lightning would otherwise keep the first one). The loader's position is also saved in this
+    module's ``state_dict`` (next to the wrapped module's), because Lightning restores data modules before it reads the
+    train loader's length, and the fit loop's copy of the loader state only after that.
     """
 
     def __init__(
@@ -1108,7 +1175,7 @@ class LazySamplingDataModule(LightningDataModule):
     def __getattr__(self, name: str) -> Any:
         # Only called when normal lookup fails: fall back to the wrapped module's attributes.
         wrapped = self.__dict__.get("_wrapped")
-        if wrapped is None or name.startswith("__"):
+        if wrapped is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(wrapped, name)
 
@@ -1174,24 +1241,7 @@ class LazySamplingDataModule(LightningDataModule):
             self._loader.replace_source(self._wrapped_train_loader())
         if trainer is not None:
             self._loader.bind_trainer(trainer)
-            self._fit_epoch_lengths(trainer)
         return self._loader
-
-    def _fit_epoch_lengths(self, trainer: Any) -> None:
-        if self.p >= 1.0 or self._loader is None or self._loader._source.num_batches() is None:
-            return
-        every = getattr(trainer, "reload_dataloaders_every_n_epochs", None)
-        if every == 0:
-            trainer.reload_dataloaders_every_n_epochs = 1
-            rank_zero_info(
-                "LazySamplingDataModule: set trainer.reload_dataloaders_every_n_epochs=1 so that Lightning reads the "
-                "length of every lazy-sampling epoch (they differ from epoch to epoch)."
-            )
-        elif isinstance(every, int) and every > 1:
-            rank_zero_warn(
-                f"LazySamplingDataModule: reload_dataloaders_every_n_epochs={every}: Lightning keeps the length of a "
-                "lazy-sampling epoch for several epochs, so longer epochs are cut short. Use 0 or 1."
-            )
 
     def __repr__(self) -> str:
         inner = type(self._wrapped).__name__ if self._wrapped is not None else type(self._train_source).__name__

@@ -6,8 +6,9 @@ each call's batch size, as Lightning itself weights values across steps), sent t
 through the public ``LightningModule.log``. Every rank then has the same ``callback_metrics``, so
 ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and ``sync_dist=True`` behave as in single-process training.
 
-torchmetrics ``Metric`` objects keep their state on the last stage and are logged there as objects (Lightning
-computes and resets them); other ranks log the metric's latest batch value under the same name.
+torchmetrics ``Metric`` objects keep their state on the last stage, which logs them as objects (Lightning computes
+and resets them). Each step the last stage also sends the metric's running ``compute()`` value; the other ranks log
+a small mirror Metric holding it, so their epoch value is exactly the last stage's.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torchmetrics import Metric
 
-try:
-    from torchmetrics import Metric
-except ImportError:  # pragma: no cover
-    Metric = ()  # type: ignore[assignment,misc]
+from lightning_clapping._compat import set_metric_step_value
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _NOT_SENT = ("sync_dist_group", "metric_attribute")
@@ -38,10 +37,27 @@ class Record:
     weight: float
 
 
+class _MirrorMetric(Metric):
+    """Stands in for a Metric of the last stage on the other ranks: holds the value it last received."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__(sync_on_compute=False)
+        self.add_state("value", torch.tensor(float("nan")), dist_reduce_fx=None)
+
+    def update(self, value: Tensor) -> None:  # type: ignore[override]
+        self.value = value
+
+    def compute(self) -> Tensor:
+        return self.value
+
+
 class LogRelay:
     def __init__(self, module: pl.LightningModule) -> None:
         self.module = module
         self.records: list[Record] = []
+        self._mirrors: dict[str, _MirrorMetric] = {}
 
     @contextmanager
     def capture(self, batch_size: int):
@@ -56,7 +72,10 @@ class LogRelay:
             name, value = kw.pop("name"), kw.pop("value")
             weight = kw.get("batch_size") or batch_size
             if isinstance(value, Tensor):
-                value = float(value.detach().float().mean()) if value.numel() == 1 else _bad_value(name, value)
+                if value.numel() != 1:
+                    raise ValueError(f"self.log({name!r}, ...) needs a scalar, got a tensor of shape "
+                                     f"{tuple(value.shape)}")
+                value = float(value.detach().float().reshape(()))
             elif not isinstance(value, Metric):
                 value = float(value)
             self.records.append(Record(name, value, kw, float(weight)))
@@ -77,7 +96,7 @@ class LogRelay:
             groups.setdefault(r.name, []).append(r)
         out = []
         for name, recs in groups.items():
-            first = recs[-1] if isinstance(recs[-1].value, Metric) else recs[0]
+            first = recs[0]
             total = sum(r.weight for r in recs)
             if isinstance(first.value, Metric):
                 value: Any = first.value
@@ -97,31 +116,36 @@ class LogRelay:
             out.append(Record(name, value, kwargs, total))
         return out
 
+    def to_wire(self, records: list[Record]) -> list[tuple[str, float, dict[str, Any], Any]]:
+        """A picklable copy. A Metric becomes (its running value, (attribute name, latest batch value))."""
+        attributes = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+        wire = []
+        for r in records:
+            kwargs = {k: v for k, v in r.kwargs.items() if k not in _NOT_SENT}
+            if isinstance(r.value, Metric):
+                cache = getattr(r.value, "_forward_cache", None)
+                step = float(cache) if isinstance(cache, Tensor) and cache.numel() == 1 else float("nan")
+                attribute = r.kwargs.get("metric_attribute") or attributes.get(id(r.value), r.name)
+                wire.append((r.name, float(r.value.compute()), kwargs, (attribute, step)))
+            else:
+                wire.append((r.name, r.value, kwargs, None))
+        return wire
 
-def to_wire(records: list[Record]) -> list[tuple[str, float, dict[str, Any]]]:
-    """A picklable copy: Metric objects become their latest value."""
-    wire = []
-    for r in records:
-        value = r.value
-        if isinstance(value, Metric):
-            cache = getattr(value, "_forward_cache", None)
-            value = float(cache) if isinstance(cache, Tensor) and cache.numel() == 1 else float("nan")
-        wire.append((r.name, value, {k: v for k, v in r.kwargs.items() if k not in _NOT_SENT}))
-    return wire
-
-
-def replay(module: pl.LightningModule, wire: list[tuple[str, float, dict[str, Any]]], local: list[Record] | None,
-           device: torch.device) -> None:
-    """Log the combined values through Lightning on this rank (``local`` holds the last stage's own records)."""
-    own = {r.name: r for r in local or []}
-    for name, value, kwargs in wire:
-        mine = own.get(name)
-        if mine is not None and isinstance(mine.value, Metric):
-            pl.LightningModule.log(module, name, mine.value, **{**kwargs, "metric_attribute":
-                                                               mine.kwargs.get("metric_attribute")})
-        else:
-            pl.LightningModule.log(module, name, torch.tensor(value, dtype=torch.float32, device=device), **kwargs)
-
-
-def _bad_value(name: str, value: Tensor) -> float:
-    raise ValueError(f"self.log({name!r}, ...) needs a scalar, got a tensor of shape {tuple(value.shape)}")
+    def replay(self, wire: list[tuple[str, float, dict[str, Any], Any]], local: list[Record] | None,
+               device: torch.device) -> None:
+        """Log the combined values through Lightning on this rank (``local``: the last stage's own records)."""
+        own = {r.name: r for r in local or []}
+        module = self.module
+        for name, value, kwargs, metric in wire:
+            mine = own.get(name)
+            if metric is None:
+                pl.LightningModule.log(module, name, torch.tensor(value, dtype=torch.float32, device=device), **kwargs)
+            elif mine is not None:
+                pl.LightningModule.log(module, name, mine.value, metric_attribute=metric[0], **kwargs)
+            else:
+                mirror = self._mirrors.get(name)
+                if mirror is None:
+                    mirror = self._mirrors[name] = _MirrorMetric().to(device)
+                mirror.update(torch.tensor(value, device=device))
+                set_metric_step_value(mirror, torch.tensor(metric[1], device=device))
+                pl.LightningModule.log(module, name, mirror, metric_attribute=metric[0], **kwargs)

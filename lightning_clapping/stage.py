@@ -156,9 +156,10 @@ class StageRunner:
             if stateful and unit_stage != runner.stage:
                 where = "after the cut into" if unit_stage < runner.stage else "before the end of"
                 raise SplitError(
-                    f"{name!r} belongs to stage {unit_stage} but forward calls it {where} stage {runner.stage} "
-                    f"(a module reused at two places of the model, or called out of order). Put all its uses in "
-                    "one stage with `split_points`."
+                    f"{name!r} belongs to stage {unit_stage} but is called {where} stage {runner.stage}. Either the "
+                    "step runs the model twice (call it once per step and reuse the output: each call would need "
+                    "its own trip through the pipeline), or a module is reused at two places of the model or "
+                    "called out of order (put all its uses in one stage with `split_points`)."
                 )
             return original(*args, **kwargs)
 

@@ -38,7 +38,7 @@ from lightning_clapping.checkpoint import (
     merge_optimizer_states,
 )
 from lightning_clapping.executor import PipelineExecutor, StepStats
-from lightning_clapping.log_relay import LogRelay, replay, to_wire
+from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.microbatch import merge_outputs, split_batch
 from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
 from lightning_clapping.schedule import SCHEDULES
@@ -121,7 +121,8 @@ class ClappingStrategy(ParallelStrategy):
         self.executor: PipelineExecutor | None = None
         self._relay: LogRelay | None = None
         self._full_state: dict[str, Tensor] | None = None
-        self._patched: list[tuple[Any, str]] = []
+        self._patched: list[tuple[Any, str, bool, Any]] = []
+        self._stage_groups: list[Any] | None = None
         self._checked_batch = False
 
     # ------------------------------------------------------------------ topology
@@ -232,6 +233,7 @@ class ClappingStrategy(ParallelStrategy):
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         self._patch(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm)
         self._relay = LogRelay(module)
+        self._isolate_metrics(module)
         prepost = self._prepost if self._prepost is not None else self._process_group_backend == "gloo"
         self.executor = PipelineExecutor(
             self.runner,
@@ -244,9 +246,27 @@ class ClappingStrategy(ParallelStrategy):
         self._checked_batch = False
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
 
+    def _isolate_metrics(self, module: pl.LightningModule) -> None:
+        """torchmetrics syncs ``compute()`` over the default (whole-world) group, but only the last stage has metric
+        state and calls it: give every Metric the group of the ranks that run the same stage instead."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover
+            return
+        metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        if self._stage_groups is None and _compat.distributed_is_initialized() and self.world_size > 1:
+            # collective: every rank creates every group, in the same order
+            self._stage_groups = [dist.new_group([r]) for r in range(self.world_size)]
+        if self._stage_groups is None:
+            return
+        for m in metrics:
+            self._patch(m, "process_group", self._stage_groups[self.global_rank])
+
     def _patch(self, obj: Any, name: str, value: Any) -> None:
+        """Set an attribute for the duration of the run; teardown puts the previous value back."""
+        had, previous = name in obj.__dict__, obj.__dict__.get(name)
         setattr(obj, name, value)
-        self._patched.append((obj, name))
+        self._patched.append((obj, name, had, previous))
 
     def model_to_device(self) -> None:
         assert self.runner is not None
@@ -305,12 +325,11 @@ class ClappingStrategy(ParallelStrategy):
         """Send the last stage's loss and logged values to every rank and log them (and the byte counts) there."""
         assert self._relay is not None
         local = self._relay.combined() if self.global_rank == 0 else None
-        payload: list[Any] = [(loss, to_wire(local)) if local is not None else None]
+        payload: list[Any] = [(loss, self._relay.to_wire(local)) if local is not None else None]
         if self.num_stages > 1:
             dist.broadcast_object_list(payload, src=0)
         loss, wire = payload[0]
-        module = self.lightning_module
-        replay(module, wire, local, self.root_device)
+        self._relay.replay(wire, local, self.root_device)
         if stats is not None and self.log_bytes:
             self._log_bytes(stats, batch_size)
         value = torch.tensor(math.nan if loss is None else loss, device=self.root_device)
@@ -465,8 +484,11 @@ class ClappingStrategy(ParallelStrategy):
         module = self.lightning_module
         if self.runner is not None:
             self.runner.uninstall()
-        for obj, name in reversed(self._patched):
-            obj.__dict__.pop(name, None)
+        for obj, name, had, previous in reversed(self._patched):
+            if had:
+                setattr(obj, name, previous)
+            else:
+                obj.__dict__.pop(name, None)
         self._patched.clear()
         if module is not None and self._full_state is not None:
             module.load_state_dict(self._full_state, assign=True)

@@ -12,7 +12,7 @@ import torch
 from _models import SequentialMLP
 from conftest import launch
 
-CONFIGS = "base,accumulate,clip,earlystop,syncdist,resume_full,resume_first,resume_rest"
+CONFIGS = "base,accumulate,clip,earlystop,syncdist,metrics,resume_full,resume_first,resume_rest"
 STAGES = 3
 
 
@@ -103,6 +103,14 @@ def test_early_stopping_and_monitored_checkpoint_agree_with_single_device(runs):
 def test_sync_dist_logging_works(runs):
     single, pipe = _result(runs, "syncdist", "single"), _result(runs, "syncdist", "pipe")
     assert pipe["callback_metrics"]["val_loss"] == pytest.approx(single["callback_metrics"]["val_loss"], rel=1e-5)
+
+
+def test_torchmetrics_objects_give_the_single_device_epoch_values_on_every_rank(runs):
+    single = _result(runs, "metrics", "single")["callback_metrics"]
+    for r in range(STAGES):
+        metrics = _result(runs, "metrics", "pipe", r)["callback_metrics"]
+        for key in ("train_acc", "val_acc"):
+            assert metrics[key] == pytest.approx(single[key], rel=1e-6), (r, key)
 
 
 def test_resume_from_mid_run_checkpoint_reproduces_the_uninterrupted_run(runs):

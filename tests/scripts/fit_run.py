@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -26,6 +27,29 @@ class Recorder(L.Callback):
         self.losses.append(float(loss))
 
 
+class MetricMLP(SequentialMLP):
+    """Logs torchmetrics Metric objects (state on the last stage; compute() at epoch end)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=4, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_acc", self.val_acc)
+        self.log("val_loss", torch.nn.functional.cross_entropy(logits, y))
+
+
 class SyncDistMLP(SequentialMLP):
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -39,6 +63,7 @@ CONFIGS = {
     "clip": ({"max_epochs": 2, "gradient_clip_val": 0.05}, {"optimizer": "sgd", "lr": 0.5}, {}),
     "earlystop": ({"max_epochs": 20}, {"optimizer": "adam", "lr": 0.01}, {"early": True}),
     "syncdist": ({"max_epochs": 1}, {"optimizer": "adam", "lr": 0.01}, {"sync": True}),
+    "metrics": ({"max_epochs": 2}, {"optimizer": "adam", "lr": 0.01}, {"metrics": True}),
     "resume_full": ({"max_epochs": 4}, {"optimizer": "adam", "lr": 0.01}, {}),
     "resume_first": ({"max_epochs": 2}, {"optimizer": "adam", "lr": 0.01}, {}),
     "resume_rest": ({"max_epochs": 4}, {"optimizer": "adam", "lr": 0.01}, {"resume": "resume_first"}),
@@ -56,7 +81,8 @@ def loaders():
 def run(mode, out, name):
     trainer_kw, model_kw, extra = CONFIGS[name]
     torch.manual_seed(0)
-    model = (SyncDistMLP if extra.get("sync") else SequentialMLP)(**model_kw)
+    cls = SyncDistMLP if extra.get("sync") else MetricMLP if extra.get("metrics") else SequentialMLP
+    model = cls(**model_kw)
     rec = Recorder()
     ckpt = ModelCheckpoint(dirpath=out / f"ckpt_{name}_{mode}", monitor="val_loss", save_top_k=2,
                            filename="{epoch}-{val_loss:.4f}", save_last=True)
