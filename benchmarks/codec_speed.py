@@ -1,0 +1,189 @@
+"""Codec speed: encode+decode throughput of every codec against a plain memory copy of the same tensor.
+
+    python benchmarks/codec_speed.py [--quick | --tiny] [--threads N] [--hot-cache] [--out benchmarks/results]
+
+Each codec runs on fp32 activations shaped like a pipeline message, ``[batch*seq, hidden]``: (2048, 512) and
+(8192, 512), i.e. 1 M and 4 M values. Every repeat of one loop times ``y.copy_(x)``, ``encode``, ``decode`` (into a
+new tensor) and ``decode_into`` (into a reused buffer), each after flushing the CPU caches, so the copy baseline and
+the codec start from the same machine state. The headline is the ratio of median times, memory copy over
+encode + decode (= codec throughput / copy throughput); absolute times are printed for context, they drift between
+runs on a shared machine.
+
+``--threads`` (default 1) sets torch's intra-op threads: a pipeline stage process gets one thread when several
+stages share a small CPU. ``--tiny`` is a smoke test (small tensors, 2 repeats). Results go to ``codec_speed.json``
+and ``codec_speed.csv`` under ``--out``, with a description of the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lightning_clapping.codecs import compression_ratio, get_codec  # noqa: E402
+
+CODECS = ["identity", "bf16", "fp16", "fp8", "q8", "q4", "q2", "q4:group128", "q4:sr", "topk:0.1", "randk:0.1"]
+HEADLINE = "q4"
+
+
+def machine() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cpus": torch.multiprocessing.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+class CacheFlush:
+    """Writes a 96 MB buffer (several times a last-level cache), so the next timed operation starts from memory."""
+
+    def __init__(self, enabled: bool, megabytes: int = 96):
+        self.buffer = torch.empty(megabytes << 18) if enabled else None
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.fill_(1.0)
+
+
+def measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush: CacheFlush) -> dict:
+    codec = get_codec(spec)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    y = torch.empty_like(x)
+    received = torch.empty_like(x)  # a receive buffer reused every step, for decode_into
+    error = float((codec.decode(codec.encode(x), x.shape, x.dtype) - x).norm() / x.norm())
+    times = {"copy": [], "encode": [], "decode": [], "decode_into": []}
+    for step in range(warmup + repeats):
+        flush()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        t1 = time.perf_counter()
+        flush()
+        t2 = time.perf_counter()
+        payload = codec.encode(x, seed=step)
+        t3 = time.perf_counter()
+        flush()
+        t4 = time.perf_counter()
+        decoded = codec.decode(payload, x.shape, x.dtype, seed=step)
+        t5 = time.perf_counter()
+        flush()
+        t6 = time.perf_counter()
+        codec.decode_into(payload, received, seed=step)
+        t7 = time.perf_counter()
+        del payload, decoded  # as a training loop would, before the next message
+        if step >= warmup:
+            for key, seconds in zip(times, (t1 - t0, t3 - t2, t5 - t4, t7 - t6)):
+                times[key].append(seconds)
+    med = {key: statistics.median(values) for key, values in times.items()}
+    round_trip = statistics.median(e + d for e, d in zip(times["encode"], times["decode"]))
+    round_trip_into = statistics.median(e + d for e, d in zip(times["encode"], times["decode_into"]))
+    fp32_bytes = 4 * x.numel()
+    return {
+        "codec": spec,
+        "shape": "x".join(map(str, shape)),
+        "values": x.numel(),
+        "payload_bytes": codec.payload_nbytes(x.shape, x.dtype),
+        "compression_vs_fp32": compression_ratio(codec, x.shape),
+        "copy_ms": 1e3 * med["copy"],
+        "encode_ms": 1e3 * med["encode"],
+        "decode_ms": 1e3 * med["decode"],
+        "decode_into_ms": 1e3 * med["decode_into"],
+        "encode_decode_ms": 1e3 * round_trip,
+        "encode_decode_gbps": fp32_bytes / round_trip / 1e9,
+        "copy_gbps": fp32_bytes / med["copy"] / 1e9,
+        "ratio_to_copy": med["copy"] / round_trip,
+        "ratio_to_copy_decode_into": med["copy"] / round_trip_into,
+        "relative_error": error,
+        "repeats": repeats,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'shape':>9} {'codec':<12} {'compr':>6} {'copy ms':>8} {'enc ms':>8} {'dec ms':>8} {'into ms':>8} "
+            f"{'GB/s':>6} {'vs copy':>8} {'(into)':>7} {'rel err':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['shape']:>9} {r['codec']:<12} {r['compression_vs_fp32']:>5.1f}x {r['copy_ms']:>8.3f} "
+              f"{r['encode_ms']:>8.3f} {r['decode_ms']:>8.3f} {r['decode_into_ms']:>8.3f} "
+              f"{r['encode_decode_gbps']:>6.2f} {r['ratio_to_copy']:>8.3f} {r['ratio_to_copy_decode_into']:>7.3f} "
+              f"{r['relative_error']:>8.1e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repeats (under a minute)")
+    size.add_argument("--tiny", action="store_true", help="smoke test: small tensors, 2 repeats (a few seconds)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and CSV")
+    parser.add_argument("--codecs", nargs="+", default=CODECS, help="codec names to measure")
+    parser.add_argument("--hot-cache", action="store_true",
+                        help="do not flush the CPU caches before each timed operation (by default every copy, encode "
+                             "and decode starts with its input in memory, not in cache)")
+    args = parser.parse_args(argv)
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.tiny:
+        shapes, warmup, repeats = [(64, 64)], 1, 2
+    elif args.quick:
+        shapes, warmup, repeats = [(2048, 512), (8192, 512)], 5, 10
+    else:
+        shapes, warmup, repeats = [(2048, 512), (8192, 512)], 5, 30
+
+    # glibc maps every large block afresh (page faults on each first touch) until a large block has been freed once;
+    # a training process has long passed that point, so reach it here before timing anything.
+    torch.empty(30 << 18)  # 30 MB, allocated and freed at once
+    info = machine()
+    print(f"CPU: {info['cpu']} ({info['logical_cpus']} logical CPUs) | torch {info['torch']} | "
+          f"{info['torch_threads']} intra-op thread(s) | Python {info['python']}")
+    print(f"{warmup} warm-up + {repeats} timed repeats per row, times are medians. 'vs copy' = time of y.copy_(x) /\n"
+          f"time of encode + decode, timed in the same loop; '(into)' decodes into a reused buffer (decode_into)\n"
+          f"instead of a new tensor. GB/s = fp32 input bytes / (encode + decode) time. CPU caches are\n"
+          f"{'left as they are' if args.hot_cache else 'flushed before each timed operation'}.\n")
+
+    flush = CacheFlush(enabled=not args.hot_cache)
+    rows = []
+    for shape in shapes:
+        for spec in args.codecs:
+            rows.append(measure(spec, shape, warmup, repeats, flush))
+    print_table(rows)
+    for r in rows:
+        if r["codec"] == HEADLINE:
+            print(f"\n{HEADLINE} (per-channel) on {r['shape']}: encode+decode at {r['ratio_to_copy']:.2f} of memory-copy "
+                  f"throughput ({r['encode_decode_gbps']:.2f} vs {r['copy_gbps']:.2f} GB/s of fp32 input); "
+                  f"{r['ratio_to_copy_decode_into']:.2f} decoding into a reused buffer", end="")
+    print()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {"warmup": warmup, "repeats": repeats, "shapes": ["x".join(map(str, s)) for s in shapes],
+                "mode": "tiny" if args.tiny else "quick" if args.quick else "full", "cache_flushed": not args.hot_cache}
+    (args.out / "codec_speed.json").write_text(json.dumps({"machine": info, "settings": settings, "rows": rows}, indent=2))
+    with open(args.out / "codec_speed.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.out / 'codec_speed.json'} and {args.out / 'codec_speed.csv'}")
+
+
+if __name__ == "__main__":
+    main()
