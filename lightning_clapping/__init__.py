@@ -5,6 +5,9 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
+from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
+from lightning_clapping.feedback import VARIANTS
 from lightning_clapping.partition import Partition, PartitionError, build_partition
 from lightning_clapping.stage import SplitError
 from lightning_clapping.strategy import ClappingStrategy
@@ -13,4 +16,18 @@ if "clapping" not in StrategyRegistry:
     ClappingStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["ClappingStrategy", "Partition", "PartitionError", "SplitError", "build_partition"]
+__all__ = [
+    "VARIANTS",
+    "BatchInfo",
+    "ClappingStrategy",
+    "Codec",
+    "LazySamplingDataModule",
+    "LazySamplingLoader",
+    "Partition",
+    "PartitionError",
+    "SplitError",
+    "available_codecs",
+    "build_partition",
+    "get_codec",
+    "register_codec",
+]

@@ -12,9 +12,10 @@ compressed payload travels as its packed bytes, never as floats.
 
 Receives are posted before they are needed (gloo moves data only once a receive is posted). That needs the
 receiver to know a message's size in advance: both ends remember the size of the last message in each *slot*
-(micro-batch position) and the sender keeps to it. When the size changes (the first message, a smaller last batch,
-a different codec) the sender first sends a *resize* message of the old size that announces the new one, then the
-message itself under a second tag; each slot has its own tags, so a resize never disturbs the other slots.
+(micro-batch position) and *mode* (a key both ends can compute, such as "full precision" or "compressed"), and the
+sender keeps to it. When the size changes anyway (the first message, a smaller last batch) the sender first sends
+a *resize* message of the expected size that announces the new one, then the message itself under a second tag;
+each slot has its own tags, so a resize never disturbs the other slots.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,12 @@ def pack(parts: list[Part], device: torch.device | None = None) -> torch.Tensor:
     return msg
 
 
+def message_nbytes(parts: list[tuple[tuple[int, ...], int]]) -> int:
+    """Size of a data message holding tensors of these (shape, payload bytes), without building it."""
+    head = HEADER_BYTES + sum(_PART.size + _DIM.size * len(shape) for shape, _ in parts)
+    return max(_align(head) + sum(_align(n) for _, n in parts), HEADER_BYTES)
+
+
 def resize_message(announced: int, length: int, device: torch.device) -> torch.Tensor:
     """A message of ``length`` bytes that tells the receiver the next message has ``announced`` bytes."""
     msg = torch.zeros(max(length, HEADER_BYTES), dtype=torch.uint8, device=device)
@@ -168,9 +176,9 @@ class PeerChannel:
         self.timeout = timeout
         self.bytes_sent = 0
         self.messages_sent = 0
-        self._expected: dict[int, int] = {}
+        self._expected: dict[tuple[int, Any], int] = {}
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor, Any]] = {}
 
     def _tag(self, slot: int, second: bool) -> int:
         return self.purpose * 1_000_000 + slot * 2 + int(second)
@@ -181,14 +189,14 @@ class PeerChannel:
         self.bytes_sent += msg.numel()
         self.messages_sent += 1
 
-    def send(self, slot: int, msg: torch.Tensor) -> None:
-        expected = self._expected.get(slot, HEADER_BYTES)
+    def send(self, slot: int, msg: torch.Tensor, mode: Any = None) -> None:
+        expected = self._expected.get((slot, mode), HEADER_BYTES)
         if msg.numel() == expected:
             self._isend(msg, self._tag(slot, False))
         else:
             self._isend(resize_message(msg.numel(), expected, self.device), self._tag(slot, False))
             self._isend(msg, self._tag(slot, True))
-            self._expected[slot] = msg.numel()
+            self._expected[(slot, mode)] = msg.numel()
 
     def flush(self) -> None:
         """Wait until every message sent so far has left (its buffer may be reused afterwards)."""
@@ -196,23 +204,23 @@ class PeerChannel:
             self._wait(work)
         self._pending_sends.clear()
 
-    def post(self, slot: int) -> None:
-        """Post the receive for ``slot``'s next message (no-op when already posted)."""
+    def post(self, slot: int, mode: Any = None) -> None:
+        """Post the receive for ``slot``'s next message, expected in ``mode`` (no-op when already posted)."""
         if slot in self._posted:
             return
-        buf = torch.empty(self._expected.get(slot, HEADER_BYTES), dtype=torch.uint8, device=self.device)
+        buf = torch.empty(self._expected.get((slot, mode), HEADER_BYTES), dtype=torch.uint8, device=self.device)
         work = dist.irecv(buf, src=self.peer, group=self.group, tag=self._tag(slot, False))
-        self._posted[slot] = (work, buf)
+        self._posted[slot] = (work, buf, mode)
 
-    def recv(self, slot: int) -> torch.Tensor:
-        self.post(slot)
-        work, buf = self._posted.pop(slot)
+    def recv(self, slot: int, mode: Any = None) -> torch.Tensor:
+        self.post(slot, mode)
+        work, buf, mode = self._posted.pop(slot)
         self._wait(work)
         kind, _, total = read_header(buf)
         if kind == KIND_RESIZE:
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             self._wait(dist.irecv(buf, src=self.peer, group=self.group, tag=self._tag(slot, True)))
-            self._expected[slot] = total
+            self._expected[(slot, mode)] = total
         return buf
 
     def _wait(self, work: dist.Work) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -12,36 +13,39 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_clapping import schedule as schedules
-from lightning_clapping.channel import FLAG_REQUIRES_GRAD, Part, PeerChannel, from_raw_bytes, pack, raw_bytes, unpack
+from lightning_clapping.channel import FLAG_REQUIRES_GRAD, PeerChannel, message_nbytes, pack, unpack
+from lightning_clapping.feedback import MessageRule, StepContext
 from lightning_clapping.stage import SplitError, StageExit, StageRunner, check_finite
 
 PURPOSE_TRAIN_FWD = 1
 PURPOSE_TRAIN_BWD = 2
 PURPOSE_EVAL_FWD = 3
 
-
-class RawCodec:
-    """Sends every tensor as its own bytes (the uncompressed wire format)."""
-
-    def encode(self, tensors: list[Tensor], direction: str, slot: int) -> list[Part]:
-        return [
-            Part(0, t.dtype, tuple(t.shape), raw_bytes(t), FLAG_REQUIRES_GRAD if t.requires_grad else 0)
-            for t in tensors
-        ]
-
-    def decode(self, parts: list[Part], direction: str, slot: int) -> list[Tensor]:
-        return [from_raw_bytes(p.payload, p.dtype, p.shape) for p in parts]
+#: ``make_rule(boundary, direction, training) -> MessageRule``; direction is "fwd" or "bwd"
+RuleFactory = Callable[[int, str, bool], MessageRule]
 
 
 @dataclass
 class StepStats:
-    """What one step sent from this rank, in bytes (headers and resize messages included)."""
+    """What one step sent from this rank (bytes include headers and resize messages)."""
 
     fwd_bytes: int = 0
     bwd_bytes: int = 0
-    fwd_messages: int = 0
-    bwd_messages: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    fwd_raw_bytes: int = 0  # what the same messages would have taken uncompressed (fp32 for float tensors)
+    bwd_raw_bytes: int = 0
+    fwd_diff_sq: float = 0.0
+    fwd_value_sq: float = 0.0
+    bwd_diff_sq: float = 0.0
+    bwd_value_sq: float = 0.0
+    skipped: int = 0
+    feedback_bytes: int = 0  # error-feedback state held on this rank (both ends of its boundaries)
+
+    def as_list(self) -> list[float]:
+        return [float(getattr(self, f)) for f in self.__dataclass_fields__]
+
+    @classmethod
+    def from_list(cls, values: list[float]) -> StepStats:
+        return cls(*values)
 
 
 class PipelineExecutor:
@@ -52,21 +56,19 @@ class PipelineExecutor:
         runner: StageRunner,
         rank_of_stage: Callable[[int], int],
         device: torch.device,
+        make_rule: RuleFactory,
         schedule: str = "1f1b",
         group: dist.ProcessGroup | None = None,
         prepost: bool = True,
         timeout: timedelta | None = None,
-        codec: Any = None,
-        eval_codec: Any = None,
     ) -> None:
         self.runner = runner
         self.stage = runner.stage
         self.num_stages = runner.num_stages
         self.schedule_fn = schedules.get_schedule(schedule)
         self.device = device
-        self.codec = codec or RawCodec()
-        self.eval_codec = eval_codec or RawCodec()
         self.first_step = True
+        self.prepost = prepost
         s, n = self.stage, self.num_stages
 
         def chan(peer_stage: int, purpose: int) -> PeerChannel | None:
@@ -74,10 +76,18 @@ class PipelineExecutor:
                 return None
             return PeerChannel(rank_of_stage(peer_stage), purpose, device, group, prepost, timeout)
 
+        def rule(boundary: int, direction: str, training: bool) -> MessageRule | None:
+            return make_rule(boundary, direction, training) if 0 <= boundary < n - 1 else None
+
         self.fwd_out, self.fwd_in = chan(s + 1, PURPOSE_TRAIN_FWD), chan(s - 1, PURPOSE_TRAIN_FWD)
         self.bwd_out, self.bwd_in = chan(s - 1, PURPOSE_TRAIN_BWD), chan(s + 1, PURPOSE_TRAIN_BWD)
         self.eval_out, self.eval_in = chan(s + 1, PURPOSE_EVAL_FWD), chan(s - 1, PURPOSE_EVAL_FWD)
-        self.prepost = prepost
+        # rules on this rank: the sending end of boundary s (fwd) and s-1 (bwd), the receiving end of the others
+        self.rules: dict[str, MessageRule | None] = {
+            "fwd_out": rule(s, "fwd", True), "fwd_in": rule(s - 1, "fwd", True),
+            "bwd_out": rule(s - 1, "bwd", True), "bwd_in": rule(s, "bwd", True),
+            "eval_out": rule(s, "fwd", False), "eval_in": rule(s - 1, "fwd", False),
+        }
 
     @property
     def is_first(self) -> bool:
@@ -93,28 +103,31 @@ class PipelineExecutor:
         microbatches: list[Any],
         step_fn: Callable[[Any, int], Any],
         loss_weights: list[float],
+        ctx: StepContext | None = None,
+        rng_seed: Callable[[int], int] | None = None,
     ) -> tuple[list[Any], StepStats]:
         """Forward and backward every micro-batch. Returns the last stage's step outputs (else []) and the stats.
 
         ``step_fn(microbatch, index)`` is the user's step; on the last stage it must return the loss (a scalar
         tensor or a dict with ``"loss"``), which is multiplied by ``loss_weights[index]`` before its backward.
+        ``rng_seed(index)``, when given, seeds torch's RNG for that micro-batch's forward (frozen dropout masks).
         """
+        ctx = ctx or StepContext()
         n = len(microbatches)
         plan = self.schedule_fn(self.num_stages, n)[self.stage]
-        before = self._counters()
+        stats = StepStats()
         if self.prepost:
             for j in range(n):
-                if self.fwd_in is not None:
-                    self.fwd_in.post(j)
-                if self.bwd_in is not None:
-                    self.bwd_in.post(j)
+                self._post(self.fwd_in, "fwd_in", j, ctx)
+                self._post(self.bwd_in, "bwd_in", j, ctx)
         saved: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         outputs: dict[int, Any] = {}
         for action in plan:
             j = action.microbatch
             if action.kind == "F":
                 received: list[Tensor] = []
-                out = self._forward(microbatches[j], j, step_fn, self.fwd_in, self.codec, received)
+                seed = rng_seed(j) if rng_seed is not None else None
+                out = self._forward(microbatches[j], j, step_fn, self.fwd_in, "fwd_in", ctx, received, seed)
                 if self.is_last:
                     loss = _loss_of(out)
                     if self.first_step:
@@ -122,15 +135,15 @@ class PipelineExecutor:
                     outputs[j] = out
                     saved[j] = ([loss * loss_weights[j]], received)
                 else:
-                    sent = out
-                    self._send(self.fwd_out, j, sent, self.codec, "fwd", check=True)
-                    saved[j] = ([t for t in sent if t.requires_grad], received)
+                    check_finite([t.detach() for t in out], f"stage {self.stage} output for micro-batch {j}",
+                                 self.first_step)
+                    self._send(self.fwd_out, "fwd_out", j, out, ctx, stats)
+                    saved[j] = ([t for t in out if t.requires_grad], received)
             else:
                 roots, received = saved.pop(j)
-                if self.is_last:
-                    grads = None
-                else:
-                    grads = self._recv(self.bwd_in, j, self.codec, "bwd")
+                grads = None
+                if not self.is_last:
+                    grads = [t for t, _ in self._recv(self.bwd_in, "bwd_in", j, ctx)]
                     if len(grads) != len(roots):
                         raise SplitError(
                             f"stage {self.stage} got {len(grads)} gradients for micro-batch {j} but sent "
@@ -141,42 +154,53 @@ class PipelineExecutor:
                 if not self.is_first:
                     leaves = [t for t in received if t.requires_grad]
                     gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
-                    self._send(self.bwd_out, j, gin, self.codec, "bwd", check=False)
+                    self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats)
         self._flush()
         self.first_step = False
-        return [outputs[j] for j in sorted(outputs)], self._stats(before)
+        self._collect(stats)
+        return [outputs[j] for j in sorted(outputs)], stats
 
     # ------------------------------------------------------------------ evaluation
-    def eval_step(self, microbatches: list[Any], step_fn: Callable[[Any, int], Any]) -> tuple[list[Any], StepStats]:
+    def eval_step(self, microbatches: list[Any], step_fn: Callable[[Any, int], Any],
+                  ctx: StepContext | None = None) -> list[Any]:
         """Forward only (validation, test, predict). Returns the last stage's step outputs (else [])."""
+        ctx = ctx or StepContext()
         n = len(microbatches)
-        before = self._counters()
-        if self.prepost and self.eval_in is not None:
+        if self.prepost:
             for j in range(n):
-                self.eval_in.post(j)
+                self._post(self.eval_in, "eval_in", j, ctx)
         outputs = []
+        stats = StepStats()
         for j in range(n):
-            out = self._forward(microbatches[j], j, step_fn, self.eval_in, self.eval_codec, None)
+            out = self._forward(microbatches[j], j, step_fn, self.eval_in, "eval_in", ctx, None, None)
             if self.is_last:
                 outputs.append(out)
             else:
-                self._send(self.eval_out, j, out, self.eval_codec, "eval", check=True)
+                check_finite([t.detach() for t in out], f"stage {self.stage} output for micro-batch {j}",
+                             self.first_step)
+                self._send(self.eval_out, "eval_out", j, out, ctx, stats)
         self._flush()
-        return outputs, self._stats(before)
+        return outputs
 
     # ------------------------------------------------------------------ pieces
-    def _forward(self, mb: Any, j: int, step_fn, chan: PeerChannel | None, codec, received: list[Tensor] | None):
+    def _forward(self, mb: Any, j: int, step_fn, chan: PeerChannel | None, rule_name: str, ctx: StepContext,
+                 received: list[Tensor] | None, seed: int | None):
         def provide() -> list[Tensor]:
             assert chan is not None
-            tensors = self._recv(chan, j, codec, "fwd" if received is not None else "eval")
-            if received is not None:
-                tensors = [t.requires_grad_(True) if _wants_grad(t, f) else t for t, f in tensors]
-                received.extend(tensors)
-            else:
-                tensors = [t for t, _ in tensors]
-            return tensors
+            tensors = self._recv(chan, rule_name, j, ctx)
+            if received is None:
+                return [t for t, _ in tensors]
+            out = []
+            for t, flags in tensors:
+                if flags & FLAG_REQUIRES_GRAD and t.dtype.is_floating_point:
+                    leaf = t.detach().requires_grad_(True)
+                    received.append(leaf)
+                    t = leaf.clone()  # a non-leaf view, so the user's code may modify it in place
+                out.append(t)
+            return out
 
-        with self.runner.microbatch(provide if chan is not None else None):
+        rng = _frozen_rng(seed, self.device) if seed is not None else nullcontext()
+        with rng, self.runner.microbatch(provide if chan is not None else None):
             try:
                 out = step_fn(mb, j)
             except StageExit:
@@ -185,38 +209,65 @@ class PipelineExecutor:
             self.runner.captured_tensors()  # raises: the exit module was never called
         return out
 
-    def _send(self, chan: PeerChannel, j: int, tensors: list[Tensor], codec, direction: str, check: bool) -> None:
-        if check:
-            check_finite([t.detach() for t in tensors], f"stage {self.stage} output for micro-batch {j}",
-                         self.first_step)
-        chan.send(j, pack(codec.encode(tensors, direction, j), self.device))
+    def _post(self, chan: PeerChannel | None, rule_name: str, j: int, ctx: StepContext) -> None:
+        if chan is not None:
+            chan.post(j, self.rules[rule_name].mode(j, ctx))
 
-    def _recv(self, chan: PeerChannel, j: int, codec, direction: str):
-        parts = unpack(chan.recv(j))
-        tensors = codec.decode(parts, direction, j)
-        if direction == "bwd":
-            return tensors
-        return list(zip(tensors, [p.flags for p in parts]))
+    def _send(self, chan: PeerChannel, rule_name: str, j: int, tensors: list[Tensor], ctx: StepContext,
+              stats: StepStats) -> None:
+        rule = self.rules[rule_name]
+        mode = rule.mode(j, ctx)
+        parts = rule.encode(j, tensors, ctx)
+        before = chan.bytes_sent
+        chan.send(j, pack(parts, self.device), mode)
+        raw = message_nbytes([(tuple(t.shape), t.numel() * (4 if t.dtype.is_floating_point else t.element_size()))
+                              for t in tensors])
+        direction = "bwd" if rule_name == "bwd_out" else "fwd"
+        setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + chan.bytes_sent - before)
+        setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
+
+    def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext) -> list[tuple[Tensor, int]]:
+        rule = self.rules[rule_name]
+        parts = unpack(chan.recv(j, rule.mode(j, ctx)))
+        return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
 
     def _flush(self) -> None:
         for chan in (self.fwd_out, self.bwd_out, self.eval_out):
             if chan is not None:
                 chan.flush()
 
-    def _counters(self) -> tuple[int, int, int, int]:
-        f = (self.fwd_out.bytes_sent + self.eval_out.bytes_sent) if self.fwd_out else 0
-        fm = (self.fwd_out.messages_sent + self.eval_out.messages_sent) if self.fwd_out else 0
-        b = self.bwd_out.bytes_sent if self.bwd_out else 0
-        bm = self.bwd_out.messages_sent if self.bwd_out else 0
-        return f, b, fm, bm
+    def _collect(self, stats: StepStats) -> None:
+        for name in ("fwd_out", "bwd_out"):
+            rule = self.rules[name]
+            if rule is None:
+                continue
+            rs = rule.take_stats()
+            d = "fwd" if name == "fwd_out" else "bwd"
+            setattr(stats, f"{d}_diff_sq", rs.diff_sq)
+            setattr(stats, f"{d}_value_sq", rs.value_sq)
+            stats.skipped += rs.skipped
+        stats.feedback_bytes = sum(r.state_bytes() for r in self.rules.values() if r is not None)
 
-    def _stats(self, before: tuple[int, int, int, int]) -> StepStats:
-        now = self._counters()
-        return StepStats(now[0] - before[0], now[1] - before[1], now[2] - before[2], now[3] - before[3])
+    def feedback_state(self) -> dict[str, dict[str, Tensor]]:
+        """The error-feedback buffers on this rank, by rule (for checkpoints and consistency checks)."""
+        return {name: r.state() for name, r in self.rules.items() if r is not None}
 
 
-def _wants_grad(t: Tensor, flags: int) -> bool:
-    return bool(flags & FLAG_REQUIRES_GRAD) and (t.dtype.is_floating_point or t.dtype.is_complex)
+class _frozen_rng:
+    """Seed torch's RNG for one micro-batch's forward and restore the surrounding stream afterwards."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed = seed
+        self.devices = [device] if device.type == "cuda" else []
+
+    def __enter__(self):
+        self._fork = torch.random.fork_rng(devices=self.devices)
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+        return self
+
+    def __exit__(self, *exc):
+        return self._fork.__exit__(*exc)
 
 
 def _loss_of(out: Any) -> Tensor:

@@ -37,7 +37,10 @@ from lightning_clapping.checkpoint import (
     merge_model_states,
     merge_optimizer_states,
 )
+from lightning_clapping.codecs import get_codec
+from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
+from lightning_clapping.feedback import MessageRule, StepContext, check_variant
 from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.microbatch import merge_outputs, split_batch
 from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
@@ -68,8 +71,24 @@ class ClappingStrategy(ParallelStrategy):
             the others hanging forever).
         prepost_receives: post each step's receives before they are needed (default: on for gloo, off for NCCL,
             whose point-to-point calls ignore message tags).
-        log_bytes: log the bytes each boundary sent per step and direction (``clapping/b{m}_fwd_bytes``,
-            ``clapping/b{m}_bwd_bytes``, ``clapping/bytes``).
+        variant: how messages are compressed: ``"uncompressed"`` (default), ``"direct"``, ``"ef21"``, ``"aqsgd"``,
+            ``"clapping-fc"`` or ``"clapping-fu"`` (see :mod:`lightning_clapping.feedback`). The Clapping variants
+            are meant to run with :class:`~lightning_clapping.LazySamplingDataModule`.
+        forward_codec, backward_codec: a :class:`~lightning_clapping.codecs.Codec` or a registry string
+            (``"q4"``, ``"q8"``, ``"topk:0.1"``, ``"bf16"``, ...) for activations and gradients; ignored when
+            ``variant="uncompressed"``.
+        compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
+        warm_start: send the first message of each slot (and after a shape change) in full precision.
+        lazy_messages: skip a reuse-step message while the last difference sent on its slot was smaller than this
+            fraction of the buffer's norm (``None``: off); at most ``max_skips`` skips in a row.
+        sample_store_dtype: dtype of AQ-SGD's per-sample buffers (it keeps them in fp16).
+        freeze_rng: seed each micro-batch's forward from the batch's identity, so dropout masks repeat while a
+            batch is reused (lazy sampling) and differ between batches.
+        log_bytes: log per step the bytes each boundary sent per direction (``clapping/b{m}_fwd_bytes``,
+            ``clapping/b{m}_bwd_bytes``, ``clapping/bytes``), the compression ratio against fp32
+            (``clapping/ratio``, also on the progress bar), the relative norm of the compressed differences
+            (``clapping/fwd_rel_diff``, ``clapping/bwd_rel_diff``) and the error-feedback memory
+            (``clapping/feedback_bytes``).
         start_method: only ``"popen"``; spawn and fork are refused with the reason.
     """
 
@@ -80,6 +99,15 @@ class ClappingStrategy(ParallelStrategy):
         split_points: list[str] | None = None,
         microbatches: int = 4,
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        variant: str = "uncompressed",
+        forward_codec: Any = "q4",
+        backward_codec: Any = "q8",
+        compress_eval: bool = False,
+        warm_start: bool = True,
+        lazy_messages: float | None = None,
+        max_skips: int = 2,
+        sample_store_dtype: torch.dtype | None = torch.float16,
+        freeze_rng: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -108,6 +136,19 @@ class ClappingStrategy(ParallelStrategy):
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+        self.variant = check_variant(variant)
+        self.forward_codec = get_codec(forward_codec)
+        self.backward_codec = get_codec(backward_codec)
+        if lazy_messages is not None and not (isinstance(lazy_messages, (int, float)) and lazy_messages > 0):
+            raise ValueError(f"lazy_messages must be a positive threshold or None, got {lazy_messages!r}")
+        self.compress_eval = compress_eval
+        self.warm_start = warm_start
+        self.lazy_messages = lazy_messages
+        self.max_skips = max_skips
+        self.sample_store_dtype = sample_store_dtype
+        self.freeze_rng = freeze_rng
+        self._lazy_loader: Any = None
+        self._lazy_checked = False
         self.split_points = split_points
         self.microbatches = microbatches
         self.schedule = schedule.lower()
@@ -239,11 +280,14 @@ class ClappingStrategy(ParallelStrategy):
             self.runner,
             self.rank_of_stage,
             self.root_device,
+            self.make_rule,
             schedule=self.schedule,
             prepost=prepost,
             timeout=self._timeout,
         )
         self._checked_batch = False
+        self._lazy_checked = False
+        self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
 
     def _isolate_metrics(self, module: pl.LightningModule) -> None:
@@ -261,6 +305,17 @@ class ClappingStrategy(ParallelStrategy):
             return
         for m in metrics:
             self._patch(m, "process_group", self._stage_groups[self.global_rank])
+
+    def make_rule(self, boundary: int, direction: str, training: bool) -> MessageRule:
+        """The encoder/decoder of one boundary and direction (both ends build the same one)."""
+        codec = self.forward_codec if direction == "fwd" else self.backward_codec
+        if not training:
+            variant = "direct" if self.compress_eval else "uncompressed"
+        else:
+            variant = self.variant
+        return MessageRule(variant, codec, boundary, direction, warm_start=self.warm_start,
+                           store_dtype=self.sample_store_dtype, lazy_threshold=self.lazy_messages,
+                           max_skips=self.max_skips)
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         """Set an attribute for the duration of the run; teardown puts the previous value back."""
@@ -304,6 +359,7 @@ class ClappingStrategy(ParallelStrategy):
         microbatches, sizes = self._split(batch)
         total = sum(sizes)
         weights = [n / total / accumulate for n in sizes]
+        ctx, batch_id, info = self._step_context(trainer, batch_idx, sizes)
         relay = self._relay
         relay.clear()
 
@@ -311,18 +367,43 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return module.training_step(mb, batch_idx, *args, **kwargs)
 
+        seed = (lambda j: _mix(self._rng_base, batch_id, self.stage, j)) if self.freeze_rng else None
         with self.precision_plugin.train_step_context():
-            outputs, stats = self.executor.train_step(microbatches, step, weights)
+            outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed)
         loss = None
         if self.executor.is_last:
             loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
-        loss_t = self._share_step_results(loss, stats, total)
+        loss_t = self._share_step_results(loss, stats, total, info)
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
         return loss_t
 
-    def _share_step_results(self, loss: float | None, stats: StepStats | None, batch_size: int) -> Tensor:
-        """Send the last stage's loss and logged values to every rank and log them (and the byte counts) there."""
+    def _step_context(self, trainer: pl.Trainer, batch_idx: int, sizes: list[int]) -> tuple[StepContext, int, Any]:
+        """What every stage knows about this step: its number, whether the batch is fresh, its sample ids."""
+        if not self._lazy_checked:
+            self._lazy_checked = True
+            self._lazy_loader = find_lazy_loader(trainer)
+            if self._lazy_loader is None and self.variant in ("clapping-fc", "clapping-fu"):
+                rank_zero_info(
+                    f"ClappingStrategy: variant={self.variant!r} without LazySamplingDataModule: every batch is "
+                    "fresh, so the error feedback works across unrelated batches (the ef21 baseline)."
+                )
+        step = trainer.global_step * trainer.accumulate_grad_batches + batch_idx % trainer.accumulate_grad_batches
+        if self._lazy_loader is None:
+            return StepContext(step=step, fresh=True, sample_ids=None), step, None
+        info = self._lazy_loader.batch_info(batch_idx)
+        ids = list(info.sample_ids.to(self.root_device).split(sizes)) if info.sample_ids is not None else None
+        return StepContext(step=step, fresh=info.fresh, sample_ids=ids), info.batch_id, info
+
+    @property
+    def _rng_base(self) -> int:
+        import os
+
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def _share_step_results(self, loss: float | None, stats: StepStats | None, batch_size: int,
+                            info: Any = None) -> Tensor:
+        """Send the last stage's loss and logged values to every rank and log them (and the step's numbers) there."""
         assert self._relay is not None
         local = self._relay.combined() if self.global_rank == 0 else None
         payload: list[Any] = [(loss, self._relay.to_wire(local)) if local is not None else None]
@@ -331,26 +412,40 @@ class ClappingStrategy(ParallelStrategy):
         loss, wire = payload[0]
         self._relay.replay(wire, local, self.root_device)
         if stats is not None and self.log_bytes:
-            self._log_bytes(stats, batch_size)
-        value = torch.tensor(math.nan if loss is None else loss, device=self.root_device)
-        return value
+            self._log_step_stats(stats, batch_size, info)
+        return torch.tensor(math.nan if loss is None else loss, device=self.root_device)
 
-    def _log_bytes(self, stats: StepStats, batch_size: int) -> None:
-        mine = torch.tensor([stats.fwd_bytes, stats.bwd_bytes], dtype=torch.float64)
+    def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
+        mine = torch.tensor(stats.as_list(), dtype=torch.float64)
         if self.num_stages > 1:
-            everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(everyone, mine)
+            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine)
         else:
-            everyone = [mine]
-        module = self.lightning_module
-        total = 0.0
+            gathered = [mine]
+        per_stage = [StepStats.from_list(gathered[self.rank_of_stage(s)].tolist()) for s in range(self.num_stages)]
+        values: dict[str, float] = {}
         for m in range(self.num_stages - 1):
-            fwd = float(everyone[self.rank_of_stage(m)][0])  # stage m sends forward over boundary m
-            bwd = float(everyone[self.rank_of_stage(m + 1)][1])  # stage m+1 sends backward over boundary m
-            total += fwd + bwd
-            for name, v in ((f"clapping/b{m}_fwd_bytes", fwd), (f"clapping/b{m}_bwd_bytes", bwd)):
-                pl.LightningModule.log(module, name, v, on_step=True, on_epoch=False, batch_size=batch_size)
-        pl.LightningModule.log(module, "clapping/bytes", total, on_step=True, on_epoch=False, batch_size=batch_size)
+            values[f"clapping/b{m}_fwd_bytes"] = per_stage[m].fwd_bytes  # stage m sends forward over boundary m
+            values[f"clapping/b{m}_bwd_bytes"] = per_stage[m + 1].bwd_bytes  # stage m+1 sends backward over it
+        sent = sum(st.fwd_bytes + st.bwd_bytes for st in per_stage)
+        raw = sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
+        values["clapping/bytes"] = sent
+        values["clapping/ratio"] = raw / sent if sent else 1.0
+        for d in ("fwd", "bwd"):
+            diff = sum(getattr(st, f"{d}_diff_sq") for st in per_stage)
+            ref = sum(getattr(st, f"{d}_value_sq") for st in per_stage)
+            if ref > 0:
+                values[f"clapping/{d}_rel_diff"] = math.sqrt(diff / ref)
+        values["clapping/feedback_bytes"] = sum(st.feedback_bytes for st in per_stage)
+        if self.lazy_messages is not None:
+            values["clapping/skipped_messages"] = sum(st.skipped for st in per_stage)
+        if info is not None:
+            values["clapping/distinct_samples"] = info.distinct_samples
+            values["clapping/fresh"] = float(info.fresh)
+        module = self.lightning_module
+        for name, value in values.items():
+            pl.LightningModule.log(module, name, float(value), on_step=True, on_epoch=False, batch_size=batch_size,
+                                   prog_bar=name == "clapping/ratio" and self.variant != "uncompressed")
 
     def _eval(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         assert self.executor is not None and self._relay is not None
@@ -364,7 +459,7 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
-        outputs, _ = self.executor.eval_step(microbatches, step)
+        outputs = self.executor.eval_step(microbatches, step)
         if hook != "predict_step":
             self._share_step_results(None, None, sum(sizes))
         return merge_outputs(outputs, sizes) if self.executor.is_last else None
@@ -449,6 +544,28 @@ class ClappingStrategy(ParallelStrategy):
         if strict and missing:
             raise KeyError(f"the checkpoint lacks {len(missing)} entries of stage {self.stage}, e.g. {missing[:5]}")
         self.lightning_module.load_state_dict({k: v for k, v in full.items() if k in mine}, strict=False)
+        self._restore_feedback(checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Adds every stage's error-feedback buffers (collective), so a compressed run resumes exactly."""
+        assert self.executor is not None
+        parts = gather_to_zero({self.stage: self.executor.feedback_state()}, self.world_size)
+        if parts is not None:
+            feedback = {k: v for part in parts for k, v in part.items()}
+            checkpoint["clapping"] = {"cut_points": list(self.partition.cut_points) if self.partition else [],
+                                      "feedback": feedback}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _restore_feedback(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("clapping")
+        if not saved or self.executor is None or self.partition is None:
+            return
+        if list(saved.get("cut_points", [])) != list(self.partition.cut_points):
+            return  # a different cut: buffers do not apply; they restart (warm start)
+        for name, state in saved["feedback"].get(self.stage, {}).items():
+            rule = self.executor.rules.get(name)
+            if rule is not None:
+                rule.load_state(state, self.root_device)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
@@ -509,6 +626,15 @@ class ClappingStrategy(ParallelStrategy):
         strategy_registry.register(
             "clapping", cls, description="Pipeline-parallel training with compressed inter-stage messages"
         )
+
+
+def _mix(*values: int) -> int:
+    """A well-spread 31-bit seed from a few integers (the same on every rank)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFF
 
 
 def _loss(out: Any) -> Tensor:

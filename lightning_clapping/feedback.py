@@ -1,0 +1,314 @@
+"""Error-feedback rules: what crosses a boundary in compressed form, and the buffers both ends keep in step.
+
+One :class:`MessageRule` serves one boundary and direction on one side (the sender's ``encode`` and the receiver's
+``decode`` are the same class with the same settings). Each tensor of a message is sent in one of four wire forms,
+named by the part's codec id:
+
+``RAW``    the tensor's own bytes, no state (uncompressed runs; masks and other tensors that carry no gradient)
+``FULL``   the tensor's own bytes, and both ends reset their buffer to it (a fresh batch under Clapping-FU, the first
+           message of a slot, the first visit of a sample under AQ-SGD)
+``CODEC``  a codec payload: of the difference to the buffer (feedback variants: both ends add the decoded
+           difference to their buffer and use the buffer) or of the value itself (``direct``)
+``SKIP``   nothing: both ends keep the buffer (lazy messages)
+
+Both ends apply the *decoded* payload, so their buffers stay bit-identical. The variants (``variant=`` of the
+strategy) are:
+
+================  ==================================================  ================================================
+variant           forward (activations)                                backward (gradients)
+================  ==================================================  ================================================
+uncompressed      RAW                                                  RAW
+direct            C_f(a)                                               C_b(g)
+ef21              C_f(a - A), one buffer per micro-batch slot          C_b(g - G)
+clapping-fc       as ef21 (made to work by lazy sampling)              as ef21
+clapping-fu       fresh batch: FULL; reused batch: as clapping-fc      fresh: FULL; reused: as clapping-fc
+aqsgd             first visit of every sample: FULL; later            C_b(g)
+                  C_f(a - m(sample)), one buffer per training sample
+================  ==================================================  ================================================
+
+``ef21`` and ``clapping-fc`` share one rule; the baseline is the rule run without lazy sampling (every batch
+fresh). The first message of each slot (and any change of shape, e.g. a smaller last batch) is sent FULL when
+``warm_start`` is on, since an empty buffer makes the first difference as large as the activation.
+
+Lazy messages (off by default) skip a reuse-step message while the last difference sent on that slot was small
+relative to the buffer (``lazy_threshold``), at most ``max_skips`` times in a row. The trigger uses only what both
+ends already know (the last decoded difference and the buffer), so the receiver knows in advance that nothing will
+come and the wire stays predictable; the skipped change is not lost, it is part of the next difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_clapping.channel import FLAG_REQUIRES_GRAD, Part, from_raw_bytes, raw_bytes
+from lightning_clapping.codecs import Codec, NonFiniteError, get_codec
+
+RAW, CODEC, FULL, SKIP = 0, 1, 2, 3
+VARIANTS = ("uncompressed", "direct", "ef21", "aqsgd", "clapping-fc", "clapping-fu")
+
+
+@dataclass
+class StepContext:
+    """What both ends of every boundary know about the current step."""
+
+    step: int = 0
+    fresh: bool = True
+    #: per micro-batch, the ids of its samples (AQ-SGD), else None
+    sample_ids: list[Tensor] | None = None
+
+
+@dataclass
+class RuleStats:
+    messages: int = 0
+    full: int = 0
+    compressed: int = 0
+    skipped: int = 0
+    diff_sq: float = 0.0  # squared norm of the differences that were compressed
+    value_sq: float = 0.0  # squared norm of the values they stand for
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check_variant(variant: str) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    return variant
+
+
+class MessageRule:
+    """Encoder (sender side) and decoder (receiver side) for one boundary and direction."""
+
+    def __init__(
+        self,
+        variant: str,
+        codec: str | Codec,
+        boundary: int,
+        direction: str,
+        *,
+        warm_start: bool = True,
+        store_dtype: torch.dtype | None = torch.float16,
+        lazy_threshold: float | None = None,
+        max_skips: int = 2,
+    ) -> None:
+        self.variant = check_variant(variant)
+        self.codec = get_codec(codec)
+        self.boundary = boundary
+        self.direction = direction
+        self.warm_start = warm_start
+        self.store_dtype = store_dtype
+        self.lazy_threshold = lazy_threshold
+        self.max_skips = max_skips
+        # which rule applies to this direction
+        if variant == "uncompressed":
+            self.kind = "raw"
+        elif variant == "direct" or (variant == "aqsgd" and direction == "bwd"):
+            self.kind = "direct"
+        elif variant == "aqsgd":
+            self.kind = "per-sample"
+        else:
+            self.kind = "feedback"
+        self.reset_on_fresh = variant == "clapping-fu"
+        self.buffers: dict[tuple[int, int], Tensor] = {}
+        self.store: dict[int, dict[int, Tensor]] = {}  # tensor index -> sample id -> row (AQ-SGD)
+        self._last_rel: dict[tuple[int, int], float | None] = {}
+        self._skips: dict[tuple[int, int], int] = {}
+        self.stats = RuleStats()
+
+    # ------------------------------------------------------------------ shared decisions
+    def compressible(self, t: Tensor, flags: int) -> bool:
+        if not (t.dtype.is_floating_point and t.numel()):
+            return False
+        return self.direction == "bwd" or bool(flags & FLAG_REQUIRES_GRAD)
+
+    def seed(self, ctx: StepContext, slot: int, k: int) -> int:
+        mix = (ctx.step * 1_000_003 + self.boundary * 10_007 + slot * 101 + k * 7 + (self.direction == "bwd"))
+        return (mix * 2_654_435_761) % (2**31 - 1)
+
+    def _should_skip(self, key: tuple[int, int], ctx: StepContext) -> bool:
+        if self.lazy_threshold is None or ctx.fresh or key not in self.buffers:
+            return False
+        rel = self._last_rel.get(key)
+        return rel is not None and rel < self.lazy_threshold and self._skips.get(key, 0) < self.max_skips
+
+    def mode(self, slot: int, ctx: StepContext) -> tuple:
+        """The wire form the next message of ``slot`` will take, computed from state both ends share.
+
+        It may depend only on state that no other slot's message changes: the receiver computes it for every slot
+        when the step starts, the sender just before encoding.
+        """
+        if self.kind in ("raw", "direct"):
+            return (self.kind,)
+        if self.kind == "per-sample":
+            # only this slot's own samples decide (other slots of the step touch other samples)
+            ids = ctx.sample_ids[slot] if ctx.sample_ids is not None else None
+            rows = self.store[min(self.store)] if self.store else {}
+            return ("per-sample", ids is not None and all(int(i) in rows for i in ids.tolist()))
+        keys = sorted(k for k in self.buffers if k[0] == slot)
+        if not keys or (self.reset_on_fresh and ctx.fresh):
+            return ("full",)
+        return tuple("skip" if self._should_skip(k, ctx) else "codec" for k in keys)
+
+    # ------------------------------------------------------------------ sender
+    def encode(self, slot: int, tensors: list[Tensor], ctx: StepContext) -> list[Part]:
+        parts = []
+        for k, t in enumerate(tensors):
+            flags = FLAG_REQUIRES_GRAD if t.requires_grad else 0
+            t = t.detach()
+            if self.kind == "raw" or not self.compressible(t, flags):
+                parts.append(Part(RAW, t.dtype, tuple(t.shape), raw_bytes(t), flags))
+                continue
+            try:
+                parts.append(self._encode_one(slot, k, t, flags, ctx))
+            except NonFiniteError as err:
+                raise NonFiniteError(
+                    f"boundary {self.boundary} ({self.direction}), micro-batch {slot}, tensor {k}: {err}"
+                ) from None
+        return parts
+
+    def _encode_one(self, slot: int, k: int, t: Tensor, flags: int, ctx: StepContext) -> Part:
+        shape, seed = tuple(t.shape), self.seed(ctx, slot, k)
+        self.stats.messages += 1
+        if self.kind == "direct":
+            self.stats.compressed += 1
+            return Part(CODEC, t.dtype, shape, self.codec.encode(t, seed=seed), flags)
+        if self.kind == "per-sample":
+            return self._encode_per_sample(slot, k, t, flags, ctx, seed)
+        key = (slot, k)
+        ref = self.buffers.get(key)
+        fresh_reset = self.reset_on_fresh and ctx.fresh
+        if ref is None or ref.shape != t.shape or ref.dtype != t.dtype or fresh_reset:
+            if self.warm_start or fresh_reset:
+                self._set(key, t.clone())
+                self.stats.full += 1
+                return Part(FULL, t.dtype, shape, raw_bytes(t), flags)
+            self._set(key, torch.zeros_like(t))
+            ref = self.buffers[key]
+        if self._should_skip(key, ctx):
+            self._skips[key] = self._skips.get(key, 0) + 1
+            self.stats.skipped += 1
+            return Part(SKIP, t.dtype, shape, t.new_empty(0, dtype=torch.uint8), flags)
+        diff = t - ref
+        payload = self.codec.encode(diff, seed=seed)
+        self._apply(key, self.codec.decode(payload, t.shape, t.dtype, seed=seed))
+        self.stats.compressed += 1
+        self.stats.diff_sq += float(diff.float().pow(2).sum())
+        self.stats.value_sq += float(t.float().pow(2).sum())
+        return Part(CODEC, t.dtype, shape, payload, flags)
+
+    def _encode_per_sample(self, slot, k, t, flags, ctx, seed) -> Part:
+        ids = _ids(ctx, slot, t)
+        rows = self.store.setdefault(k, {})
+        if not all(int(i) in rows for i in ids.tolist()) or any(rows[int(i)].shape != t.shape[1:] for i in
+                                                                 ids.tolist()):
+            self._store_rows(rows, ids, t)
+            self.stats.full += 1
+            return Part(FULL, t.dtype, tuple(t.shape), raw_bytes(t), flags)
+        ref = torch.stack([rows[int(i)] for i in ids.tolist()]).to(t.dtype)
+        diff = t - ref
+        payload = self.codec.encode(diff, seed=seed)
+        self._store_rows(rows, ids, ref + self.codec.decode(payload, t.shape, t.dtype, seed=seed))
+        self.stats.compressed += 1
+        self.stats.diff_sq += float(diff.float().pow(2).sum())
+        self.stats.value_sq += float(t.float().pow(2).sum())
+        return Part(CODEC, t.dtype, tuple(t.shape), payload, flags)
+
+    # ------------------------------------------------------------------ receiver
+    def decode(self, slot: int, parts: list[Part], ctx: StepContext) -> list[Tensor]:
+        out = []
+        for k, p in enumerate(parts):
+            seed = self.seed(ctx, slot, k)
+            key = (slot, k)
+            if p.codec == RAW:
+                out.append(from_raw_bytes(p.payload, p.dtype, p.shape))
+            elif p.codec == FULL:
+                value = from_raw_bytes(p.payload, p.dtype, p.shape).clone()
+                if self.kind == "per-sample":
+                    self._store_rows(self.store.setdefault(k, {}), _ids(ctx, slot, value), value)
+                else:
+                    self._set(key, value.clone())
+                out.append(value)
+            elif p.codec == CODEC:
+                decoded = self.codec.decode(p.payload, torch.Size(p.shape), p.dtype, seed=seed)
+                if self.kind == "direct":
+                    out.append(decoded)
+                elif self.kind == "per-sample":
+                    rows = self.store[k]
+                    ids = _ids(ctx, slot, decoded)
+                    value = torch.stack([rows[int(i)] for i in ids.tolist()]).to(p.dtype) + decoded
+                    self._store_rows(rows, ids, value)
+                    out.append(value)
+                else:
+                    ref = self.buffers.get(key)
+                    if ref is None or ref.shape != decoded.shape or ref.dtype != decoded.dtype:
+                        self._set(key, torch.zeros_like(decoded))  # the sender started from zeros too
+                    self._apply(key, decoded)
+                    out.append(self.buffers[key].clone())
+            elif p.codec == SKIP:
+                self._skips[key] = self._skips.get(key, 0) + 1
+                out.append(self.buffers[key].clone())
+            else:
+                raise ValueError(f"unknown wire form {p.codec} on boundary {self.boundary} ({self.direction})")
+        return out
+
+    # ------------------------------------------------------------------ buffers (identical on both ends)
+    def _set(self, key: tuple[int, int], value: Tensor) -> None:
+        self.buffers[key] = value
+        self._last_rel[key] = None
+        self._skips[key] = 0
+
+    def _apply(self, key: tuple[int, int], decoded: Tensor) -> None:
+        buf = self.buffers[key]
+        buf.add_(decoded)
+        if self.lazy_threshold is not None:
+            self._last_rel[key] = float(decoded.float().norm()) / max(float(buf.float().norm()), 1e-30)
+            self._skips[key] = 0
+
+    def _store_rows(self, rows: dict[int, Tensor], ids: Tensor, values: Tensor) -> None:
+        dtype = self.store_dtype or values.dtype
+        for i, row in zip(ids.tolist(), values.detach()):
+            rows[int(i)] = row.to(dtype).clone()
+
+    def state_bytes(self) -> int:
+        total = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        for rows in self.store.values():
+            total += sum(r.numel() * r.element_size() for r in rows.values())
+        return total
+
+    def state(self) -> dict[str, Tensor]:
+        """Every buffer by a stable name (for checks that both ends agree)."""
+        out = {f"slot{s}.t{k}": b for (s, k), b in self.buffers.items()}
+        for k, rows in self.store.items():
+            out.update({f"t{k}.sample{i}": r for i, r in rows.items()})
+        return out
+
+    def load_state(self, state: dict[str, Tensor], device: torch.device) -> None:
+        """Restore the buffers saved by :meth:`state` (exact resume of a compressed run)."""
+        self.buffers.clear()
+        self.store.clear()
+        for name, value in state.items():
+            value = value.to(device)
+            if name.startswith("slot"):
+                slot, k = name[4:].split(".t")
+                self._set((int(slot), int(k)), value.clone())
+            else:
+                k, sample = name[1:].split(".sample")
+                self.store.setdefault(int(k), {})[int(sample)] = value.clone()
+
+    def take_stats(self) -> RuleStats:
+        stats, self.stats = self.stats, RuleStats()
+        return stats
+
+
+def _ids(ctx: StepContext, slot: int, t: Tensor) -> Tensor:
+    if ctx.sample_ids is None or ctx.sample_ids[slot] is None:
+        raise ValueError(
+            "variant='aqsgd' keeps one buffer per training sample and needs sample ids: wrap the data in "
+            "lightning_clapping.LazySamplingDataModule(dm, p=1.0), which reports them"
+        )
+    ids = ctx.sample_ids[slot]
+    if len(ids) != t.shape[0]:
+        raise ValueError(f"micro-batch {slot} has {t.shape[0]} rows but {len(ids)} sample ids")
+    return ids
