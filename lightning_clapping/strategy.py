@@ -149,6 +149,7 @@ class ClappingStrategy(ParallelStrategy):
         self.freeze_rng = freeze_rng
         self._lazy_loader: Any = None
         self._lazy_checked = False
+        self._last_feedback: dict[str, Any] = {}
         self.split_points = split_points
         self.microbatches = microbatches
         self.schedule = schedule.lower()
@@ -548,8 +549,8 @@ class ClappingStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Adds every stage's error-feedback buffers (collective), so a compressed run resumes exactly."""
-        assert self.executor is not None
-        parts = gather_to_zero({self.stage: self.executor.feedback_state()}, self.world_size)
+        state = self.executor.feedback_state() if self.executor is not None else self._last_feedback
+        parts = gather_to_zero({self.stage: state}, self.world_size)
         if parts is not None:
             feedback = {k: v for part in parts for k, v in part.items()}
             checkpoint["clapping"] = {"cut_points": list(self.partition.cut_points) if self.partition else [],
@@ -614,6 +615,8 @@ class ClappingStrategy(ParallelStrategy):
             for t in list(module.parameters()) + list(module.buffers()):
                 if t.device.type not in ("meta", "cpu"):
                     t.data = t.data.cpu()
+        if self.executor is not None:
+            self._last_feedback = self.executor.feedback_state()  # for a checkpoint saved after fit returns
         self.runner = None
         self.executor = None
         assert self.accelerator is not None

@@ -1,0 +1,49 @@
+"""Compressed training with lazy sampling, uninterrupted or stopped and resumed; rank 0 saves the losses.
+
+python resume_run.py OUT MODE      MODE: full (14 steps) | first (8 steps, then a checkpoint) | rest (resume to 14)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_clapping
+from _models import SequentialMLP, classification_data
+
+
+class Losses(L.Callback):
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        m = trainer.callback_metrics
+        self.rows.append([float(loss), float(m["clapping/fresh"]), float(m["clapping/bytes"])])
+
+
+def main(out, mode):
+    torch.manual_seed(0)
+    model = SequentialMLP(optimizer="adam", lr=0.01)
+    x, y = classification_data(n=80, seed=1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    data = lightning_clapping.LazySamplingDataModule(loader, p=0.5, seed=7)
+    strategy = lightning_clapping.ClappingStrategy(split_points=["net.2", "net.4"], microbatches=4,
+                                                   variant="clapping-fc", forward_codec="q4", backward_codec="q8")
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=8 if mode == "first" else 14,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[losses])
+    ckpt = out / "mid.ckpt"
+    trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if mode == "rest" else None)
+    if mode == "first":
+        trainer.save_checkpoint(ckpt)
+    if trainer.global_rank == 0:
+        (out / f"{mode}.json").write_text(json.dumps(losses.rows))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
