@@ -209,14 +209,18 @@ class PipelineExecutor:
             self.runner.captured_tensors()  # raises: the exit module was never called
         return out
 
+    def _mode(self, rule_name: str, j: int, ctx: StepContext) -> tuple:
+        """The key under which both ends predict a message's size: the rule's wire form and the slot's size."""
+        return (self.rules[rule_name].mode(j, ctx), ctx.sizes[j] if ctx.sizes is not None else None)
+
     def _post(self, chan: PeerChannel | None, rule_name: str, j: int, ctx: StepContext) -> None:
         if chan is not None:
-            chan.post(j, self.rules[rule_name].mode(j, ctx))
+            chan.post(j, self._mode(rule_name, j, ctx))
 
     def _send(self, chan: PeerChannel, rule_name: str, j: int, tensors: list[Tensor], ctx: StepContext,
               stats: StepStats) -> None:
         rule = self.rules[rule_name]
-        mode = rule.mode(j, ctx)
+        mode = self._mode(rule_name, j, ctx)
         parts = rule.encode(j, tensors, ctx)
         before = chan.bytes_sent
         chan.send(j, pack(parts, self.device), mode)
@@ -228,7 +232,7 @@ class PipelineExecutor:
 
     def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext) -> list[tuple[Tensor, int]]:
         rule = self.rules[rule_name]
-        parts = unpack(chan.recv(j, rule.mode(j, ctx)))
+        parts = unpack(chan.recv(j, self._mode(rule_name, j, ctx)))
         return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
 
     def _flush(self) -> None:

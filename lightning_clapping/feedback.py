@@ -59,6 +59,8 @@ class StepContext:
     fresh: bool = True
     #: per micro-batch, the ids of its samples (AQ-SGD), else None
     sample_ids: list[Tensor] | None = None
+    #: per micro-batch, its number of samples (every stage splits the same batch, so both ends know it)
+    sizes: list[int] | None = None
 
 
 @dataclass
@@ -111,10 +113,10 @@ class MessageRule:
         else:
             self.kind = "feedback"
         self.reset_on_fresh = variant == "clapping-fu"
-        self.buffers: dict[tuple[int, int], Tensor] = {}
+        self.buffers: dict[tuple[int, int, int], Tensor] = {}
         self.store: dict[int, dict[int, Tensor]] = {}  # tensor index -> sample id -> row (AQ-SGD)
-        self._last_rel: dict[tuple[int, int], float | None] = {}
-        self._skips: dict[tuple[int, int], int] = {}
+        self._last_rel: dict[tuple[int, int, int], float | None] = {}
+        self._skips: dict[tuple[int, int, int], int] = {}
         self.stats = RuleStats()
 
     # ------------------------------------------------------------------ shared decisions
@@ -123,11 +125,17 @@ class MessageRule:
             return False
         return self.direction == "bwd" or bool(flags & FLAG_REQUIRES_GRAD)
 
+    @staticmethod
+    def key(slot: int, k: int, ctx: StepContext) -> tuple[int, int, int]:
+        """Buffers are kept per micro-batch slot, tensor and micro-batch size: a smaller last batch gets buffers
+        of its own and leaves the full-size ones intact."""
+        return (slot, k, ctx.sizes[slot] if ctx.sizes is not None else -1)
+
     def seed(self, ctx: StepContext, slot: int, k: int) -> int:
         mix = (ctx.step * 1_000_003 + self.boundary * 10_007 + slot * 101 + k * 7 + (self.direction == "bwd"))
         return (mix * 2_654_435_761) % (2**31 - 1)
 
-    def _should_skip(self, key: tuple[int, int], ctx: StepContext) -> bool:
+    def _should_skip(self, key: tuple[int, int, int], ctx: StepContext) -> bool:
         if self.lazy_threshold is None or ctx.fresh or key not in self.buffers:
             return False
         rel = self._last_rel.get(key)
@@ -146,7 +154,8 @@ class MessageRule:
             ids = ctx.sample_ids[slot] if ctx.sample_ids is not None else None
             rows = self.store[min(self.store)] if self.store else {}
             return ("per-sample", ids is not None and all(int(i) in rows for i in ids.tolist()))
-        keys = sorted(k for k in self.buffers if k[0] == slot)
+        rows = self.key(slot, 0, ctx)[2]
+        keys = sorted(k for k in self.buffers if k[0] == slot and k[2] == rows)
         if not keys or (self.reset_on_fresh and ctx.fresh):
             return ("full",)
         return tuple("skip" if self._should_skip(k, ctx) else "codec" for k in keys)
@@ -176,7 +185,7 @@ class MessageRule:
             return Part(CODEC, t.dtype, shape, self.codec.encode(t, seed=seed), flags)
         if self.kind == "per-sample":
             return self._encode_per_sample(slot, k, t, flags, ctx, seed)
-        key = (slot, k)
+        key = self.key(slot, k, ctx)
         ref = self.buffers.get(key)
         fresh_reset = self.reset_on_fresh and ctx.fresh
         if ref is None or ref.shape != t.shape or ref.dtype != t.dtype or fresh_reset:
@@ -220,7 +229,7 @@ class MessageRule:
         out = []
         for k, p in enumerate(parts):
             seed = self.seed(ctx, slot, k)
-            key = (slot, k)
+            key = self.key(slot, k, ctx)
             if p.codec == RAW:
                 out.append(from_raw_bytes(p.payload, p.dtype, p.shape))
             elif p.codec == FULL:
@@ -254,12 +263,12 @@ class MessageRule:
         return out
 
     # ------------------------------------------------------------------ buffers (identical on both ends)
-    def _set(self, key: tuple[int, int], value: Tensor) -> None:
+    def _set(self, key: tuple[int, int, int], value: Tensor) -> None:
         self.buffers[key] = value
         self._last_rel[key] = None
         self._skips[key] = 0
 
-    def _apply(self, key: tuple[int, int], decoded: Tensor) -> None:
+    def _apply(self, key: tuple[int, int, int], decoded: Tensor) -> None:
         buf = self.buffers[key]
         buf.add_(decoded)
         if self.lazy_threshold is not None:
@@ -279,7 +288,7 @@ class MessageRule:
 
     def state(self) -> dict[str, Tensor]:
         """Every buffer by a stable name (for checks that both ends agree)."""
-        out = {f"slot{s}.t{k}": b for (s, k), b in self.buffers.items()}
+        out = {f"slot{s}.t{k}.rows{r}": b for (s, k, r), b in self.buffers.items()}
         for k, rows in self.store.items():
             out.update({f"t{k}.sample{i}": r for i, r in rows.items()})
         return out
@@ -291,8 +300,9 @@ class MessageRule:
         for name, value in state.items():
             value = value.to(device)
             if name.startswith("slot"):
-                slot, k = name[4:].split(".t")
-                self._set((int(slot), int(k)), value.clone())
+                slot, rest = name[4:].split(".t")
+                k, rows = rest.split(".rows")
+                self._set((int(slot), int(k), int(rows)), value.clone())
             else:
                 k, sample = name[1:].split(".sample")
                 self.store.setdefault(int(k), {})[int(sample)] = value.clone()

@@ -391,10 +391,10 @@ class ClappingStrategy(ParallelStrategy):
                 )
         step = trainer.global_step * trainer.accumulate_grad_batches + batch_idx % trainer.accumulate_grad_batches
         if self._lazy_loader is None:
-            return StepContext(step=step, fresh=True, sample_ids=None), step, None
+            return StepContext(step=step, fresh=True, sample_ids=None, sizes=sizes), step, None
         info = self._lazy_loader.batch_info(batch_idx)
         ids = list(info.sample_ids.to(self.root_device).split(sizes)) if info.sample_ids is not None else None
-        return StepContext(step=step, fresh=info.fresh, sample_ids=ids), info.batch_id, info
+        return StepContext(step=step, fresh=info.fresh, sample_ids=ids, sizes=sizes), info.batch_id, info
 
     @property
     def _rng_base(self) -> int:
@@ -460,7 +460,7 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
-        outputs = self.executor.eval_step(microbatches, step)
+        outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
         if hook != "predict_step":
             self._share_step_results(None, None, sum(sizes))
         return merge_outputs(outputs, sizes) if self.executor.is_last else None

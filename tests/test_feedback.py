@@ -61,9 +61,9 @@ def test_sender_and_receiver_buffers_stay_bit_identical(variant, codec):
 def test_feedback_value_is_the_shared_buffer(codec):
     sender, receiver = _pair("clapping-fc", codec)
     for step, j, fresh, act, values, parts in _drive(sender, receiver, steps=4):
-        assert torch.equal(values[0], sender.buffers[(j, 0)]) or step < 3  # later steps overwrite the buffer
+        assert torch.equal(values[0], sender.buffers[(j, 0, -1)]) or step < 3  # later steps overwrite the buffer
     for j in range(3):
-        assert torch.equal(receiver.buffers[(j, 0)], sender.buffers[(j, 0)])
+        assert torch.equal(receiver.buffers[(j, 0, -1)], sender.buffers[(j, 0, -1)])
 
 
 def test_clapping_fu_sends_fresh_batches_in_full_precision_and_resets_the_buffers():
@@ -160,7 +160,7 @@ def test_lazy_messages_skip_small_differences_at_most_max_skips_in_a_row():
     assert forms[0] == FULL and SKIP in forms
     runs = "".join("s" if f == SKIP else "x" for f in forms)
     assert "sss" not in runs
-    assert torch.equal(sender.buffers[(0, 0)], receiver.buffers[(0, 0)])
+    assert torch.equal(sender.buffers[(0, 0, -1)], receiver.buffers[(0, 0, -1)])
 
 
 def test_steady_state_messages_have_the_codecs_exact_size():
