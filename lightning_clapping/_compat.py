@@ -42,3 +42,56 @@ __all__ = [
     "tree_flatten",
     "tree_unflatten",
 ]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The fit loop's hold on the train loader (used by lightning_clapping.data; Lightning reads a train loader's length
+# once, lazy epochs differ in length, and checkpoints must be taken at the batch the loop has consumed)
+
+
+def fit_combined_loader(trainer):
+    """The fit loop's CombinedLoader (private ``fit_loop._combined_loader``): where the running train loader sits."""
+    return trainer.fit_loop._combined_loader
+
+
+def loader_wrapper_children(obj) -> list:
+    """Where a wrapper keeps its loader: ``loader``, ``dataloader``, private ``_dataloader`` (Fabric) or ``_loader``."""
+    return [getattr(obj, name, None) for name in ("loader", "dataloader", "_loader", "_dataloader")]
+
+
+def train_batches_ready(trainer) -> int:
+    """Batches the fit loop took this epoch (``epoch_loop.batch_progress.current.ready``): where to checkpoint from."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def set_train_epoch_length(trainer, length: int) -> bool:
+    """Lazy epochs vary: set ``fit_loop.max_batches``, limits, private ``_data_fetcher.length`` (False: unchanged)."""
+    fit_loop = trainer.fit_loop
+    if fit_loop.max_batches == length:
+        return False
+    fit_loop._combined_loader.limits = [length]
+    fit_loop.max_batches = length
+    fetcher = fit_loop._data_fetcher
+    if fetcher is not None and getattr(fetcher, "length", None) is not None:
+        fetcher.length = length
+    return True
+
+
+def rescale_val_check_batch(trainer, length: int) -> None:
+    """Refit ``trainer.val_check_batch`` to a new epoch length for a float interval (not with private time checks)."""
+    interval = trainer.val_check_interval
+    if (
+        isinstance(interval, float)
+        and getattr(trainer, "_val_check_time_interval", None) is None
+        and trainer.val_check_batch not in (None, float("inf"))
+    ):
+        trainer.val_check_batch = max(1, int(length * interval))
+
+
+__all__ += [
+    "fit_combined_loader",
+    "loader_wrapper_children",
+    "rescale_val_check_batch",
+    "set_train_epoch_length",
+    "train_batches_ready",
+]

@@ -34,7 +34,9 @@ Everything runs in eager PyTorch, no compiler needed; ``benchmarks/codec_speed.p
 plain memory copy. A first ``torch.compile`` of the quantizer's steps (dynamic shapes) ran slower than this eager code
 on the project's CPU, so there is no compiled path.
 
-Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see its docstring).
+Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see its docstring). The bit
+packing the quantizer and top-k use lives in :mod:`lightning_clapping.bitpack` (``pack_bits``, ``unpack_bits`` and
+``packed_nbytes`` are re-exported here).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ from __future__ import annotations
 import abc
 import math
 import re
-import sys
 from fractions import Fraction
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = [
     "CastCodec", "Codec", "IdentityCodec", "NonFiniteError", "QuantCodec", "RandKCodec", "TopKCodec",
@@ -55,7 +58,6 @@ __all__ = [
     "register_codec", "unpack_bits",
 ]
 
-_LITTLE = sys.byteorder == "little"
 # Values per step of the quantizer's element-wise loops: the float32 temporaries (2 MB) stay in the CPU caches, and
 # Python's per-operation overhead stays small next to the work. The payload layout does not depend on it.
 _CHUNK = 1 << 19
@@ -187,185 +189,46 @@ def _seeded(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Bit packing (planar: a few whole-array operations instead of a per-value loop)
+def _finite_flat(x: Tensor, codec: Codec) -> Tensor:
+    """``x`` flattened (detached) after checking it is a floating tensor without NaN or inf."""
+    _require_float(x, codec)
+    check_finite(x)
+    return x.detach().reshape(-1)
 
 
-def packed_nbytes(n: int, bits: int) -> int:
-    """Bytes that :func:`pack_bits` uses for ``n`` codes of ``bits`` bits: ``ceil(n * bits / 8)``."""
-    return (n * bits + 7) // 8
+def _fp16_saturated(values: Tensor) -> Tensor:
+    return values.clamp(-65504.0, 65504.0).to(torch.float16)
 
 
-def _fields(bits: int) -> list[tuple[int, int]]:
-    """Split a ``bits``-wide code into (shift, width) fields of 8, 4, 2 or 1 bits, lowest bits first.
+class _BuiltinCodec(Codec):
+    """What the built-in codecs share: ``decode`` allocates the output and decodes into it, straight when it is
+    contiguous (:meth:`_decode_contiguous`), else through :meth:`_decode_strided` (by default: decode, then copy)."""
 
-    Widths follow the binary digits of ``bits % 8`` after the whole bytes, so no field straddles a byte.
-    """
-    fields, shift = [], 0
-    while bits - shift >= 8:
-        fields.append((shift, 8))
-        shift += 8
-    for width in (4, 2, 1):
-        if (bits - shift) & width:
-            fields.append((shift, width))
-            shift += width
-    return fields
+    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
+        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device), seed=seed)
 
+    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
+        n = self.check_payload(payload, out.shape, out.dtype)
+        if not out.is_contiguous():
+            return self._decode_strided(payload, out, seed)
+        return self._decode_contiguous(payload, out, n, seed)
 
-def pack_bits(codes: Tensor, bits: int, *, out: Tensor | None = None) -> Tensor:
-    """Pack ``n`` non-negative integer codes below ``2**bits`` (0 <= bits <= 63) into ``ceil(n*bits/8)`` bytes.
+    @abc.abstractmethod
+    def _decode_contiguous(self, payload: Tensor, out: Tensor, n: int, seed: int) -> Tensor:
+        """Decode the checked ``payload`` into the contiguous ``out`` (``n`` values) and return ``out``."""
 
-    Layout: the first ``m = 64*(n//64)`` codes are packed field by field (see :func:`_fields`). For a field of ``w``
-    bits the ``m`` field values are cut into ``8//w`` equal planes, and byte ``i`` of the field's block holds value
-    ``i`` of plane ``j`` in bits ``[j*w, (j+1)*w)``. The last ``n - m`` (< 64) codes follow as a little-endian bit
-    stream. Codes up to 8 bits wide are taken as uint8 (int8 is reinterpreted), wider ones as int64.
-    """
-    if not 0 <= bits <= 63:
-        raise ValueError(f"pack_bits: bits must be in 0..63, got {bits}")
-    codes = codes.reshape(-1)
-    n = codes.numel()
-    nbytes = packed_nbytes(n, bits)
-    if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
-    elif out.dtype != torch.uint8 or out.numel() != nbytes:
-        raise ValueError(f"pack_bits: out must be uint8 with {nbytes} elements, got {out.dtype} {tuple(out.shape)}")
-    if n == 0 or bits == 0:
-        return out
-    if bits <= 8:
-        codes = codes.contiguous().view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8).contiguous()
-        byte_rows = [codes]
-    else:
-        codes = codes.to(torch.int64)
-        byte_rows = list(_byte_rows(codes, (bits + 7) // 8))
-    m = n - n % 64
-    pos = 0
-    for shift, width in _fields(bits):
-        byte, offset = divmod(shift, 8)
-        field = byte_rows[byte][:m]
-        if offset or (offset + width < 8 and shift + width < bits):  # isolate the field's bits in each byte
-            (word,), rep = _as_words(field)
-            field = ((word >> offset) & (((1 << width) - 1) * rep)).view(torch.uint8)
-        size = m * width // 8
-        _pack_planes(field, 8 // width, width, out[pos : pos + size])
-        pos += size
-    if m < n:
-        out[pos:] = _pack_tail(codes[m:], bits)
-    return out
+    def _decode_strided(self, payload: Tensor, out: Tensor, seed: int) -> Tensor:
+        return super().decode_into(payload, out, seed=seed)
 
-
-def _byte_rows(codes: Tensor, count: int) -> Tensor:
-    """The low ``count`` bytes of each int64 code as ``count`` contiguous rows, padded to a multiple of 64 values."""
-    n = codes.numel()
-    columns = codes.contiguous().view(torch.uint8).view(n, 8)
-    order = list(range(count)) if _LITTLE else [7 - j for j in range(count)]
-    rows = torch.zeros(count, -(-n // 64) * 64, dtype=torch.uint8, device=codes.device)
-    rows[:, :n] = columns[:, order].t()
-    return rows
-
-
-def _as_words(*parts: Tensor) -> tuple[list[Tensor], int]:
-    """View byte runs as int32 words when all of them allow it (torch's byte shifts are not vectorized).
-
-    Returns the views and the factor that repeats a one-byte mask over a word (0x01010101, or 1 for plain bytes).
-    Only right shifts followed by a byte mask are applied to words, so no bit leaks into another byte's result.
-    """
-    if all(p.is_contiguous() and p.numel() % 4 == 0 and p.storage_offset() % 4 == 0 for p in parts):
-        return [p.view(torch.int32) for p in parts], 0x01010101
-    return list(parts), 1
-
-
-def _pack_planes(field: Tensor, planes: int, width: int, dst: Tensor) -> None:
-    # The planes hold disjoint bits, so adding them shifted is OR-ing them; uint8 addition is vectorized, and it
-    # wraps instead of overflowing.
-    size = dst.numel()
-    if size == 0:
-        return
-    parts = [field[j * size : (j + 1) * size] for j in range(planes)]
-    if planes == 1:
-        dst.copy_(parts[0])
-        return
-    torch.add(parts[0], parts[1], alpha=1 << width, out=dst)
-    for j in range(2, planes):
-        dst.add_(parts[j], alpha=1 << (j * width))
-
-
-def _unpack_planes(src: Tensor, planes: int, width: int, dst: Tensor) -> None:
-    size = src.numel()
-    if size == 0:
-        return
-    (src, *parts), rep = _as_words(src, *(dst[j * size : (j + 1) * size] for j in range(planes)))
-    if planes == 1:
-        parts[0].copy_(src)
-        return
-    mask = ((1 << width) - 1) * rep
-    for j, part in enumerate(parts):
-        if j == 0:
-            torch.bitwise_and(src, mask, out=part)
-        else:
-            torch.bitwise_right_shift(src, j * width, out=part)
-            part.bitwise_and_(mask)
-
-
-def _pack_tail(codes: Tensor, bits: int) -> Tensor:
-    device = codes.device
-    stream = ((codes.to(torch.int64).unsqueeze(1) >> torch.arange(bits, device=device)) & 1).reshape(-1)
-    stream = torch.cat([stream, stream.new_zeros(-stream.numel() % 8)])
-    return (stream.view(-1, 8) << torch.arange(8, device=device)).sum(1).to(torch.uint8)
-
-
-def _unpack_tail(src: Tensor, count: int, bits: int) -> Tensor:
-    device = src.device
-    stream = ((src.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=device)) & 1).reshape(-1)
-    stream = stream[: count * bits].view(count, bits)
-    return (stream << torch.arange(bits, device=device)).sum(1)
-
-
-def unpack_bits(packed: Tensor, n: int, bits: int) -> Tensor:
-    """Inverse of :func:`pack_bits`: ``n`` codes as a new uint8 tensor (``bits <= 8``) or int64 tensor (wider)."""
-    if not 0 <= bits <= 63:
-        raise ValueError(f"unpack_bits: bits must be in 0..63, got {bits}")
-    if packed.numel() != packed_nbytes(n, bits):
-        raise ValueError(f"unpack_bits: {n} codes of {bits} bits take {packed_nbytes(n, bits)} bytes, got {packed.numel()}")
-    device = packed.device
-    wide = bits > 8
-    if n == 0 or bits == 0:
-        return torch.zeros(n, dtype=torch.int64 if wide else torch.uint8, device=device)
-    m = n - n % 64
-    if wide:
-        rows = torch.empty((bits + 7) // 8, m, dtype=torch.uint8, device=device)
-    else:
-        out = torch.empty(n, dtype=torch.uint8, device=device)
-        rows = out[:m].view(1, m)
-    pos = 0
-    for shift, width in _fields(bits):
-        byte, offset = divmod(shift, 8)
-        size = m * width // 8
-        src = packed[pos : pos + size]
-        pos += size
-        if offset == 0:  # the first field of a byte sets it
-            _unpack_planes(src, 8 // width, width, rows[byte])
-        else:
-            values = torch.empty(m, dtype=torch.uint8, device=device)
-            _unpack_planes(src, 8 // width, width, values)
-            rows[byte].add_(values, alpha=1 << offset)  # disjoint bits: adding is OR-ing
-    tail = _unpack_tail(packed[pos:], n - m, bits) if m < n else None
-    if not wide:
-        if tail is not None:
-            out[m:] = tail.to(torch.uint8)
-        return out
-    out = torch.zeros(n, dtype=torch.int64, device=device)
-    order = list(range(rows.shape[0])) if _LITTLE else [7 - j for j in range(rows.shape[0])]
-    out.view(torch.uint8).view(n, 8)[:m, order] = rows.t()
-    if tail is not None:
-        out[m:] = tail
-    return out
+    def _empty_payload(self, x: Tensor) -> Tensor:
+        return torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Lossless and casts
 
 
-class IdentityCodec(Codec):
+class IdentityCodec(_BuiltinCodec):
     """The tensor's own bytes, any dtype (lossless; NaN and inf travel unchanged)."""
 
     name = "identity"
@@ -376,13 +239,7 @@ class IdentityCodec(Codec):
         out.view(x.dtype).view(x.shape).copy_(x.detach())
         return out
 
-    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
-
-    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
-        self.check_payload(payload, out.shape, out.dtype)
-        if not out.is_contiguous():
-            return super().decode_into(payload, out, seed=seed)
+    def _decode_contiguous(self, payload: Tensor, out: Tensor, n: int, seed: int) -> Tensor:
         out.view(-1).view(torch.uint8).copy_(payload)
         return out
 
@@ -390,7 +247,7 @@ class IdentityCodec(Codec):
         return math.prod(shape) * dtype.itemsize
 
 
-class CastCodec(Codec):
+class CastCodec(_BuiltinCodec):
     """Sends the values cast to a narrower float type, saturating at its largest finite value.
 
     Values below the target's smallest subnormal flush to zero, as in any cast. Payload: the cast values' bytes.
@@ -412,24 +269,19 @@ class CastCodec(Codec):
             cast = cast.clone()
         return cast.view(torch.uint8)
 
-    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
-
-    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
-        self.check_payload(payload, out.shape, out.dtype)
-        if self.target == getattr(torch, "float8_e4m3fn", None) and out.is_contiguous():
+    def _decode_contiguous(self, payload: Tensor, out: Tensor, n: int, seed: int) -> Tensor:
+        if self.target == getattr(torch, "float8_e4m3fn", None):
             # torch converts this type one value at a time on the CPU; a 256-entry table lookup is ~4x faster
             table = torch.arange(256, dtype=torch.uint8, device=payload.device).view(self.target).to(out.dtype)
             torch.index_select(table, 0, payload.to(torch.int32), out=out.view(-1))
             return out
+        return self._decode_strided(payload, out, seed)
+
+    def _decode_strided(self, payload: Tensor, out: Tensor, seed: int) -> Tensor:
         return out.copy_(_bytes_as(payload, self.target).view(out.shape))
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         return math.prod(shape) * self.target.itemsize
-
-
-def _fp16_saturated(values: Tensor) -> Tensor:
-    return values.clamp(-65504.0, 65504.0).to(torch.float16)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -469,7 +321,7 @@ class _Block(NamedTuple):
         return scales[first : first + rows].view(rows, 1)
 
 
-class QuantCodec(Codec):
+class QuantCodec(_BuiltinCodec):
     """Symmetric uniform ``bits``-bit quantizer with float32 scales (per channel, per tensor or per group).
 
     ``scale`` is ``"channel"`` (one scale per index of the last dimension, the max-abs over all other elements, as
@@ -524,7 +376,7 @@ class QuantCodec(Codec):
     def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
         _require_float(x, self)
         n_scales, blocks = self._layout(x.shape)
-        payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
+        payload = self._empty_payload(x)
         if not blocks:
             return payload
         flat = x.detach().reshape(-1)
@@ -601,13 +453,7 @@ class QuantCodec(Codec):
 
     # -- decode --------------------------------------------------------------------------------------------------
 
-    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
-
-    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
-        n = self.check_payload(payload, out.shape, out.dtype)
-        if not out.is_contiguous():
-            return super().decode_into(payload, out, seed=seed)
+    def _decode_contiguous(self, payload: Tensor, out: Tensor, n: int, seed: int) -> Tensor:
         shape, dtype, result, out = out.shape, out.dtype, out, out.view(-1)
         n_scales, blocks = self._layout(shape)
         device = payload.device
@@ -651,7 +497,9 @@ def _parse_ratio(text: str | float | Fraction, kind: str) -> Fraction:
     return ratio
 
 
-class _Sparsifier(Codec):
+class _Sparsifier(_BuiltinCodec):
+    """Sends ``k = ceil(ratio*n)`` values as fp16 (saturating) first in the payload; positions not sent decode to 0."""
+
     kind = ""
 
     def __init__(self, ratio: str | float | Fraction):
@@ -661,6 +509,18 @@ class _Sparsifier(Codec):
     def count(self, n: int) -> int:
         """Values kept out of ``n``: ``ceil(ratio * n)`` in exact arithmetic."""
         return math.ceil(self.ratio * n)
+
+    @abc.abstractmethod
+    def _sent_positions(self, payload: Tensor, n: int, k: int, seed: int) -> Tensor:
+        """The flat positions of the ``k`` values in ``payload`` (on its device)."""
+
+    def _decode_contiguous(self, payload: Tensor, out: Tensor, n: int, seed: int) -> Tensor:
+        k = self.count(n)
+        out.zero_()
+        if k:
+            index = self._sent_positions(payload, n, k, seed)
+            out.view(-1)[index] = _bytes_as(payload[: 2 * k], torch.float16).to(out.dtype)
+        return out
 
 
 def _largest(magnitude: Tensor, k: int) -> Tensor:
@@ -697,11 +557,10 @@ class TopKCodec(_Sparsifier):
         return 2 * k + packed_nbytes(k, max(n - 1, 0).bit_length())
 
     def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
-        _require_float(x, self)
-        check_finite(x)
-        n, flat = x.numel(), x.detach().reshape(-1)
+        flat = _finite_flat(x, self)
+        n = flat.numel()
         k = self.count(n)
-        payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
+        payload = self._empty_payload(x)
         if k == 0:
             return payload
         index = _largest(flat.abs(), k).sort().values
@@ -709,19 +568,8 @@ class TopKCodec(_Sparsifier):
         pack_bits(index, (n - 1).bit_length(), out=payload[2 * k :])
         return payload
 
-    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device))
-
-    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
-        n = self.check_payload(payload, out.shape, out.dtype)
-        if not out.is_contiguous():
-            return super().decode_into(payload, out, seed=seed)
-        k = self.count(n)
-        out.zero_()
-        if k:
-            index = unpack_bits(payload[2 * k :], k, (n - 1).bit_length()).long()
-            out.view(-1)[index] = _bytes_as(payload[: 2 * k], torch.float16).to(out.dtype)
-        return out
+    def _sent_positions(self, payload: Tensor, n: int, k: int, seed: int) -> Tensor:
+        return unpack_bits(payload[2 * k :], k, (n - 1).bit_length()).long()
 
 
 def _random_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
@@ -767,26 +615,15 @@ class RandKCodec(_Sparsifier):
         return _random_subset(n, self.count(n), _seeded(seed))
 
     def encode(self, x: Tensor, *, seed: int = 0) -> Tensor:
-        _require_float(x, self)
-        check_finite(x)
-        n = x.numel()
+        flat = _finite_flat(x, self)
+        n = flat.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         index = self.positions(n, seed).to(x.device)
-        values = _fp16_saturated(x.detach().reshape(-1)[index])
-        return values.view(torch.uint8)
+        return _fp16_saturated(flat[index]).view(torch.uint8)
 
-    def decode(self, payload: Tensor, shape: torch.Size, dtype: torch.dtype, *, seed: int = 0) -> Tensor:
-        return self.decode_into(payload, torch.empty(shape, dtype=dtype, device=payload.device), seed=seed)
-
-    def decode_into(self, payload: Tensor, out: Tensor, *, seed: int = 0) -> Tensor:
-        n = self.check_payload(payload, out.shape, out.dtype)
-        if not out.is_contiguous():
-            return super().decode_into(payload, out, seed=seed)
-        out.zero_()
-        if n:
-            out.view(-1)[self.positions(n, seed).to(payload.device)] = _bytes_as(payload, torch.float16).to(out.dtype)
-        return out
+    def _sent_positions(self, payload: Tensor, n: int, k: int, seed: int) -> Tensor:
+        return self.positions(n, seed).to(payload.device)
 
 
 # --------------------------------------------------------------------------------------------------------------------
