@@ -1,0 +1,794 @@
+"""Time on a real slow network: the char-LM pipeline over shaped links, uncompressed against Clapping.
+
+    python benchmarks/slow_network.py [--quick | --tiny] [--out benchmarks/results]     (as root, Linux)
+
+Every rank of a 4-stage pipeline runs in its own network namespace; the namespaces hang off a bridge through veth
+links whose egress is limited by ``tc ... tbf rate R burst 8kb latency 100ms`` (see ``benchmarks/_netns.py``), so
+gloo's traffic really crosses a 100 Mbit/s or 25 Mbit/s link. The communication-free limit runs the same pipeline
+with all ranks in one namespace on its loopback. The script builds the namespaces itself, starts the ranks itself
+(``ip netns exec NS python benchmarks/slow_network.py --worker CFG``, environment as torchrun sets it:
+``MASTER_ADDR`` = address of global rank 0, which holds the LAST stage, ``MASTER_PORT``, ``WORLD_SIZE``,
+``NODE_RANK``, ``LOCAL_RANK=0``, ``GLOO_SOCKET_IFNAME``; the Trainer uses ``devices=1, num_nodes=4`` and
+Lightning's default LightningEnvironment reads those variables), and deletes everything it created at exit, also
+on failure or on SIGINT/SIGTERM/SIGHUP.
+
+Model and data: ``CharTransformer(vocab, block_size=128, d=128, heads=4, layers=4)`` from examples/char_lm.py, one
+block per stage, Shakespeare windows of 128 characters, batch 32, 8 micro-batches, 1F1B, AdamW with warm-up; fp32
+messages are then 2 MiB per link and direction per step. Each rank uses one CPU thread (``OMP_NUM_THREADS=1`` and
+``torch.set_num_threads(1)``): four ranks share a small CPU without oversubscribing it.
+
+Variants, all with the same seed, steps and optimizer: uncompressed; clapping-fc (4-bit forward, 8-bit backward,
+lazy sampling p=0.5); clapping-fu with the same codecs at p=0.5 and p=0.2. Measured per run: the median step time on
+rank 0 (wall time from ``on_train_batch_start`` to ``on_train_batch_end``, the first steps left out; validation is
+never inside a step), the bytes per step the strategy logs (``clapping/b{m}_fwd_bytes`` etc.), the veth and tbf
+counters (whole run, and per rank inside the training steps only), and the validation loss every K steps on a fixed
+subset of the held-out plays. Time-to-target: the target is the validation loss that uncompressed reaches at the end
+of its run on the same link; a run's time-to-target is its cumulative training time (sum of step times, validation
+excluded) up to the first validation at or below the target, or "not reached".
+
+Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test), ``--quick`` (60 steps, a few minutes
+with 4 ranks on 2 cores), default (400 steps). Results: ``slow_network.json`` (everything, per step), ``.csv`` (one row
+per run) and ``.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import csv
+import json
+import math
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _netns import Endpoint, Lab, unavailable_reason  # noqa: E402
+
+MiB = 1 << 20
+
+
+# ====================================================================================================================
+# What to run
+# ====================================================================================================================
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    variant: str
+    p: float = 1.0  # lazy sampling: probability of a fresh batch (1.0: plain data module)
+    forward_codec: str = "q4"
+    backward_codec: str = "q8"
+
+
+@dataclass
+class Mode:
+    name: str
+    stages: int = 4
+    d: int = 128
+    heads: int = 4
+    layers: int = 4
+    block: int = 128
+    batch: int = 32
+    microbatches: int = 8
+    steps: int = 400
+    val_every: int = 25
+    val_batches: int = 8
+    skip: int = 10  # first steps left out of the median step time
+    links: list[float] = field(default_factory=lambda: [100.0, 25.0])  # Mbit/s
+    data_limit: int | None = None
+    seed: int = 0
+
+
+def make_mode(args: argparse.Namespace) -> Mode:
+    if args.tiny:
+        mode = Mode("tiny", stages=2, d=32, heads=2, layers=2, block=32, batch=8, microbatches=2, steps=3,
+                    val_every=3, val_batches=1, skip=1, links=[100.0], data_limit=256)
+    elif args.quick:
+        mode = Mode("quick", steps=60, val_every=20, val_batches=4, skip=5)
+    else:
+        mode = Mode("full")
+    for name in ("steps", "val_every", "val_batches", "skip", "seed"):
+        if getattr(args, name) is not None:
+            setattr(mode, name, getattr(args, name))
+    if args.links is not None:
+        mode.links = list(args.links)
+    if mode.steps % mode.val_every:
+        raise SystemExit(f"--steps ({mode.steps}) must be a multiple of --val-every ({mode.val_every}), so the last "
+                         "step is validated")
+    return mode
+
+
+def make_variants(args: argparse.Namespace) -> list[Variant]:
+    fwd, bwd = args.forward_codec, args.backward_codec
+    out = [Variant("uncompressed", "uncompressed"),
+           Variant(f"clapping-fc p={args.p:g}", "clapping-fc", args.p, fwd, bwd)]
+    if not args.tiny:
+        out += [Variant(f"clapping-fu p={p:g}", "clapping-fu", p, fwd, bwd) for p in args.fu_p]
+    return out
+
+
+def fp32_message_bytes(mode: Mode) -> int:
+    """Bytes of one fp32 activation (or gradient) of a whole batch at one boundary: batch x block x d x 4."""
+    return mode.batch * mode.block * mode.d * 4
+
+
+# ====================================================================================================================
+# Worker: one rank, started inside its namespace
+# ====================================================================================================================
+
+
+def _read_counters(ifname: str) -> tuple[int, int]:
+    base = Path("/sys/class/net") / ifname / "statistics"
+    try:
+        return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+    except OSError:
+        return 0, 0
+
+
+def worker(config_path: str) -> None:
+    cfg = json.loads(Path(config_path).read_text())
+    threads = int(cfg["threads"])
+    import torch
+
+    torch.set_num_threads(threads)
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from char_lm import CharTransformer
+    from datasets import ShakespeareDataModule
+
+    import lightning_clapping
+    from datetime import timedelta
+
+    rank = int(os.environ["NODE_RANK"])
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    stages = cfg["stages"]
+    metric_names = ["clapping/bytes", "clapping/ratio", "clapping/fresh", "clapping/distinct_samples", "train_loss"]
+    metric_names += [f"clapping/b{m}_{d}_bytes" for m in range(stages - 1) for d in ("fwd", "bwd")]
+
+    class Recorder(Callback):
+        """Wall time and interface counters of every training step and validation (every rank keeps its own)."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict] = []
+            self.vals: list[dict] = []
+            self.train_tx = self.train_rx = self.val_tx = self.val_rx = 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._c0 = _read_counters(ifname)
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seconds = time.perf_counter() - self._t0
+            tx, rx = _read_counters(ifname)
+            row = {"step": trainer.global_step, "seconds": seconds, "tx": tx - self._c0[0], "rx": rx - self._c0[1]}
+            self.train_tx += row["tx"]
+            self.train_rx += row["rx"]
+            metrics = trainer.callback_metrics
+            for name in metric_names:
+                if name in metrics:
+                    row[name] = float(metrics[name])
+            self.steps.append(row)
+
+        def on_validation_start(self, trainer, pl_module):
+            self._v0 = _read_counters(ifname)
+            self._vt0 = time.perf_counter()
+
+        def on_validation_end(self, trainer, pl_module):
+            tx, rx = _read_counters(ifname)
+            self.val_tx += tx - self._v0[0]
+            self.val_rx += rx - self._v0[1]
+            if trainer.sanity_checking:
+                return
+            val = trainer.callback_metrics.get("val_loss")
+            self.vals.append({"step": trainer.global_step, "val_loss": None if val is None else float(val),
+                              "seconds": time.perf_counter() - self._vt0})
+
+    t_start = time.perf_counter()
+    L.seed_everything(cfg["seed"], verbose=False)
+    dm = ShakespeareDataModule(batch_size=cfg["batch"], seed=cfg["seed"], block_size=cfg["block"],
+                               limit=cfg["data_limit"])
+    dm.setup("fit")
+    model = CharTransformer(dm.vocab_size, block_size=cfg["block"], d=cfg["d"], heads=cfg["heads"],
+                            layers=cfg["layers"])
+    v = cfg["variant"]
+    data = dm if v["p"] >= 1.0 else lightning_clapping.LazySamplingDataModule(dm, p=v["p"], seed=cfg["seed"])
+    strategy = lightning_clapping.ClappingStrategy(
+        split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"], schedule="1f1b",
+        variant=v["variant"], forward_codec=v["forward_codec"], backward_codec=v["backward_codec"],
+        timeout=timedelta(seconds=cfg["strategy_timeout"]))
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, num_nodes=stages, strategy=strategy, max_steps=cfg["steps"],
+        val_check_interval=cfg["val_every"], check_val_every_n_epoch=None, limit_val_batches=cfg["val_batches"],
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=1, callbacks=[recorder])
+    assert trainer.global_rank == rank and trainer.world_size == stages, (trainer.global_rank, trainer.world_size)
+    t_fit = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    result = {
+        "rank": rank, "stage": stages - 1 - rank, "ifname": ifname, "steps": recorder.steps, "vals": recorder.vals,
+        "train_tx": recorder.train_tx, "train_rx": recorder.train_rx, "val_tx": recorder.val_tx,
+        "val_rx": recorder.val_rx, "setup_seconds": t_fit - t_start, "fit_seconds": time.perf_counter() - t_fit,
+        "torch_threads": torch.get_num_threads(),
+        "cluster_environment": type(strategy.cluster_environment).__name__,
+    }
+    Path(cfg["result_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    # leave together: a rank that exits while a peer still talks to it can make the peer's gloo threads abort
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ====================================================================================================================
+# Launcher: namespaces, processes, clean-up
+# ====================================================================================================================
+
+
+class Runner:
+    """Owns the lab and the live worker processes; ``close()`` (idempotent) kills the workers and tears down."""
+
+    def __init__(self, lab: Lab, workdir: Path) -> None:
+        self.lab, self.workdir = lab, workdir
+        self.procs: list[subprocess.Popen] = []
+        self.port = 29500
+
+    def _kill_workers(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: only what this script started
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs = []
+
+    def close(self) -> None:
+        self._kill_workers()
+        self.lab.teardown()
+
+    def run(self, key: str, cfg: dict, endpoints: list[Endpoint], timeout: float) -> dict:
+        run_dir = self.workdir / key
+        run_dir.mkdir(parents=True)
+        cfg = dict(cfg, result_dir=str(run_dir))
+        cfg_path = run_dir / "config.json"
+        cfg_path.write_text(json.dumps(cfg))
+        self.port += 1  # a fresh port per run: no lingering socket of the previous run in the way
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_")) and k not in ("RANK", "GROUP_RANK")}
+        env.update(
+            PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p),
+            OMP_NUM_THREADS=str(cfg["threads"]), MKL_NUM_THREADS=str(cfg["threads"]),
+            MASTER_ADDR=endpoints[0].addr, MASTER_PORT=str(self.port), WORLD_SIZE=str(len(endpoints)),
+            LOCAL_RANK="0", HF_HUB_OFFLINE="1",
+        )
+        logs = []
+        for rank, ep in enumerate(endpoints):  # rank 0 first: it hosts the rendezvous store
+            log = open(run_dir / f"rank{rank}.log", "w")
+            logs.append(log)
+            self.procs.append(subprocess.Popen(
+                self.lab.command(ep, [sys.executable, str(Path(__file__).resolve()), "--worker", str(cfg_path)]),
+                env=dict(env, NODE_RANK=str(rank), GLOO_SOCKET_IFNAME=ep.ifname), stdout=log,
+                stderr=subprocess.STDOUT, cwd=str(run_dir), start_new_session=True, preexec_fn=_die_with_parent))
+        t0, error = time.monotonic(), None
+        busy0, mine0 = _cpu_busy_seconds(), _children_cpu_seconds()
+        try:
+            while True:
+                codes = [p.poll() for p in self.procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    error = f"rank {bad[0][0]} exited with {bad[0][1]}"
+                    deadline = time.monotonic() + 10  # the others may still be writing their results
+                    try:
+                        for proc in self.procs:
+                            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() - t0 > timeout:
+                    error = f"timed out after {timeout:.0f} s"
+                    break
+                time.sleep(0.2)
+        finally:
+            self._kill_workers()
+            for log in logs:
+                log.close()
+        wall = time.monotonic() - t0
+        # CPU time the rest of the machine used meanwhile (all CPU time minus this run's ranks), in cores: timings
+        # taken while other jobs compete for a small CPU are slower, and this says by how much the CPU was shared
+        other_cores = max(0.0, (_cpu_busy_seconds() - busy0) - (_children_cpu_seconds() - mine0)) / max(wall, 1e-9)
+        warning = None
+        results = [run_dir / f"rank{r}.json" for r in range(len(endpoints))]
+        if error is not None and error.startswith("rank") and all(f.exists() for f in results):
+            # every rank finished its measurements and wrote them; one failed on the way out: keep the numbers, say so
+            error, warning = None, f"{error} after writing its results"
+        if error is None:
+            try:
+                ranks = [json.loads(f.read_text()) for f in results]
+            except (OSError, ValueError) as err:
+                error, ranks = f"missing worker results: {err}", []
+        if error is not None:
+            tails = []
+            for r in range(len(endpoints)):
+                text = (run_dir / f"rank{r}.log").read_text(errors="replace")
+                tails.append(f"--- rank {r} (last lines) ---\n" + "\n".join(text.splitlines()[-25:]))
+            return {"error": error, "wall_seconds": wall, "other_cores": other_cores, "log_tail": "\n".join(tails)}
+        return {"error": None, "warning": warning, "wall_seconds": wall, "other_cores": other_cores, "ranks": ranks}
+
+
+def _cpu_busy_seconds() -> float:
+    """Busy CPU time of the whole machine since boot (all cores), from /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the launching process dies, so no rank outlives the benchmark."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _raise_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+# ====================================================================================================================
+# Analysis and report
+# ====================================================================================================================
+
+
+def summarize(raw: dict, mode: Mode, link: float | None, variant: Variant, counters: dict | None) -> dict:
+    """One run's numbers from the workers' records (rank 0 holds the last stage and the logged metrics)."""
+    row = {"link": "loopback" if link is None else f"{link:g} Mbit/s", "rate_mbit": link, "variant": variant.label,
+           "kind": variant.variant, "p": variant.p, "error": raw.get("error"), "wall_seconds": raw["wall_seconds"],
+           "other_cores": raw.get("other_cores"), "warning": raw.get("warning")}
+    if raw.get("error"):
+        return row
+    S = mode.stages
+    r0 = next(r for r in raw["ranks"] if r["rank"] == 0)
+    steps = r0["steps"]
+    times = [s["seconds"] for s in steps]
+    timed = times[mode.skip:] or times
+    cumulative, total = {}, 0.0
+    for s in steps:
+        total += s["seconds"]
+        cumulative[s["step"]] = total
+
+    def med(name: str) -> float | None:
+        values = [s[name] for s in steps if name in s]
+        return statistics.median(values) if values else None
+
+    fp32 = fp32_message_bytes(mode)
+    row.update(
+        steps=len(steps), median_step_s=statistics.median(timed), mean_step_s=statistics.fmean(timed),
+        p10_step_s=_quantile(timed, 0.1), p90_step_s=_quantile(timed, 0.9), first_step_s=times[0],
+        train_seconds=total, bytes_per_step=_mean([s.get("clapping/bytes") for s in steps]),
+        median_bytes_per_step=med("clapping/bytes"),
+        fp32_bytes_per_step=2 * (S - 1) * fp32, logged_ratio=med("clapping/ratio"),
+        fwd_bytes_per_boundary=[_mean([s.get(f"clapping/b{m}_fwd_bytes") for s in steps]) for m in range(S - 1)],
+        bwd_bytes_per_boundary=[_mean([s.get(f"clapping/b{m}_bwd_bytes") for s in steps]) for m in range(S - 1)],
+        min_message_bytes=min((s.get(f"clapping/b{m}_{d}_bytes") or math.inf for s in steps for m in range(S - 1)
+                               for d in ("fwd", "bwd")), default=0.0) / mode.microbatches,
+        distinct_samples=steps[-1].get("clapping/distinct_samples", len(steps) * mode.batch),
+        final_train_loss=steps[-1].get("train_loss"),
+        vals=[dict(v, train_seconds=cumulative.get(v["step"])) for v in r0["vals"]],
+        setup_seconds=max(r["setup_seconds"] for r in raw["ranks"]),
+        step_times=times,
+        bytes_per_step_series=[s.get("clapping/bytes") for s in steps],
+    )
+    row["final_val_loss"] = row["vals"][-1]["val_loss"] if row["vals"] else None
+    row["fewer_bytes_x"] = row["fp32_bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else None
+    # per rank: what the strategy says it sent in the training steps, against what left its interface meanwhile
+    per_rank = []
+    for r in sorted(raw["ranks"], key=lambda r: r["rank"]):
+        stage = S - 1 - r["rank"]
+        sent = 0.0
+        for s in steps:
+            if stage < S - 1:
+                sent += s.get(f"clapping/b{stage}_fwd_bytes", 0.0)
+            if stage > 0:
+                sent += s.get(f"clapping/b{stage - 1}_bwd_bytes", 0.0)
+        entry = {"rank": r["rank"], "stage": stage, "ifname": r["ifname"], "strategy_sent_bytes": sent}
+        if link is not None:  # on loopback every rank shares `lo`: its counters say nothing per rank
+            entry.update(veth_tx_in_steps=r["train_tx"], veth_rx_in_steps=r["train_rx"],
+                         veth_tx_in_validation=r["val_tx"],
+                         veth_over_strategy=r["train_tx"] / sent if sent else None)
+        per_rank.append(entry)
+    row["per_rank"] = per_rank
+    if link is not None:
+        row["counters_whole_run"] = counters
+        busiest = max(per_rank, key=lambda e: e["veth_tx_in_steps"])
+        # the wire time of the busiest interface alone, per step: a floor under the step time at this rate
+        row["wire_floor_step_s"] = busiest["veth_tx_in_steps"] * 8 / (link * 1e6) / len(steps)
+        row["veth_over_strategy"] = (sum(e["veth_tx_in_steps"] for e in per_rank)
+                                     / max(1.0, sum(e["strategy_sent_bytes"] for e in per_rank)))
+        if counters:
+            row["tbf_overlimits"] = sum(c.get("qdisc_overlimits", 0) for c in counters.values())
+            row["tbf_drops"] = sum(c.get("qdisc_drops", 0) for c in counters.values())
+    return row
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def time_to_target(row: dict, target: float | None) -> tuple[float | None, int | None]:
+    if target is None or row.get("error"):
+        return None, None
+    for v in row["vals"]:
+        if v["val_loss"] is not None and v["val_loss"] <= target:
+            return v["train_seconds"], v["step"]
+    return None, None
+
+
+def add_comparisons(rows: list[dict]) -> None:
+    """Ratios measured side by side: step time over the loopback step time, time-to-target against uncompressed."""
+    loop = next((r for r in rows if r["rate_mbit"] is None and r["kind"] == "uncompressed" and not r["error"]), None)
+    for r in rows:
+        if r["error"]:
+            continue
+        r["x_loopback_step"] = r["median_step_s"] / loop["median_step_s"] if loop else None
+        base = next((b for b in rows if b["link"] == r["link"] and b["kind"] == "uncompressed" and not b["error"]),
+                    None)
+        r["target_val_loss"] = base["final_val_loss"] if base else None
+        r["time_to_target_s"], r["target_step"] = time_to_target(r, r["target_val_loss"])
+        base_ttt = time_to_target(base, r["target_val_loss"])[0] if base else None
+        r["ttt_speedup"] = (base_ttt / r["time_to_target_s"]) if base_ttt and r["time_to_target_s"] else None
+        r["step_speedup"] = base["median_step_s"] / r["median_step_s"] if base else None
+        r["mean_step_speedup"] = base["mean_step_s"] / r["mean_step_s"] if base else None
+
+
+def evaluate_targets(rows: list[dict]) -> list[dict]:
+    def find(rate, kind):
+        return next((r for r in rows if r["rate_mbit"] == rate and r["kind"] == kind and not r["error"]), None)
+
+    out = []
+    fc100, fc25 = find(100.0, "clapping-fc"), find(25.0, "clapping-fc")
+    specs = [
+        ("100 Mbit/s: clapping-fc step time <= 1.15x loopback step time", fc100, "x_loopback_step", 1.15, "<="),
+        ("100 Mbit/s: clapping-fc time-to-target >= 2x shorter than uncompressed", fc100, "ttt_speedup", 2.0, ">="),
+        ("25 Mbit/s: clapping-fc time-to-target >= 4x shorter than uncompressed", fc25, "ttt_speedup", 4.0, ">="),
+    ]
+    for text, row, key, bound, op in specs:
+        value = row.get(key) if row else None
+        if row is None:
+            verdict = "not measured (link not in this run or the run failed)"
+        elif value is None:
+            verdict = "NOT MET (target loss not reached)" if key == "ttt_speedup" else "not measured"
+        else:
+            ok = value <= bound if op == "<=" else value >= bound
+            verdict = "MET" if ok else "NOT MET"
+        out.append({"target": text, "value": value, "bound": bound, "verdict": verdict})
+    return out
+
+
+def _fmt(x, spec=".3f", none="-") -> str:
+    return none if x is None else format(x, spec)
+
+
+TABLE_LEGEND = (
+    "step s / mean s: median / mean wall time of a training step on rank 0 (first steps left out); x loop: / the "
+    "loopback uncompressed step time; x unc (first): uncompressed step time / this one, same link; MiB/step: bytes "
+    "the strategy sent over all boundaries per step (mean over all steps); fewer: fp32 bytes / those bytes; veth/str: "
+    "bytes that left the stage veths during training steps / bytes the strategy counted (headers, ACKs and the "
+    "per-step collectives make it > 1); floor s: busiest veth's bytes per step / link rate; val loss: at the last "
+    "step; target: uncompressed final val loss on that link; to target s: cumulative training time to the first "
+    "validation <= target (@ step); x unc (last): uncompressed time-to-target / this one; other: CPU cores that "
+    "other processes on the machine used on average during the run (> 0 means the timings were disturbed)."
+)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'link':<12} {'variant':<18} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'MiB/step':>8} "
+            f"{'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} {'to target s':>11} "
+            f"{'x unc':>6} {'other':>5}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r["error"]:
+            print(f"{r['link']:<12} {r['variant']:<18} FAILED: {r['error']}")
+            continue
+        ttt = (f"{r['time_to_target_s']:.1f} @{r['target_step']}" if r.get("time_to_target_s") is not None
+               else "not reached")
+        mib = r["bytes_per_step"] / MiB if r["bytes_per_step"] is not None else None
+        print(f"{r['link']:<12} {r['variant']:<18} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
+              f"{_fmt(r.get('x_loopback_step'), '.2f'):>7} {_fmt(r.get('step_speedup'), '.2f'):>6} "
+              f"{_fmt(mib, '.3f'):>8} {_fmt(r.get('fewer_bytes_x'), '.1f'):>6} "
+              f"{_fmt(r.get('veth_over_strategy'), '.3f'):>8} "
+              f"{_fmt(r.get('wire_floor_step_s'), '.3f'):>7} {_fmt(r['final_val_loss'], '.4f'):>8} "
+              f"{_fmt(r.get('target_val_loss'), '.4f'):>7} {ttt:>11} {_fmt(r.get('ttt_speedup'), '.2f'):>6} "
+              f"{_fmt(r.get('other_cores'), '.2f'):>5}")
+    print()
+    print(textwrap.fill(TABLE_LEGEND, width=118))
+
+
+def plot(rows: list[dict], links: list[float], burst: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r["error"]]
+    groups = ["loopback"] + [f"{x:g} Mbit/s" for x in links]
+    labels = list(dict.fromkeys(r["variant"] for r in ok))
+    fig, axes = plt.subplots(1, 1 + len(links), figsize=(5.5 * (1 + len(links)), 4.3))
+    ax = axes[0]
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        xs, means, medians = [], [], []
+        for g, name in enumerate(groups):
+            r = next((r for r in ok if r["link"] == name and r["variant"] == label), None)
+            if r is not None:
+                xs.append(g + (j - (len(labels) - 1) / 2) * width)
+                means.append(r["mean_step_s"])
+                medians.append(r["median_step_s"])
+        ax.bar(xs, means, width, label=label)
+        ax.plot(xs, medians, "k.", ms=5, label="median" if j == 0 else None)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("step time (s): bar mean, dot median")
+    ax.set_title("step time per link (rank 0, warm-up left out)")
+    ax.legend(fontsize=8)
+    for ax, link in zip(axes[1:], links):
+        name = f"{link:g} Mbit/s"
+        target = None
+        for r in ok:
+            if r["link"] != name:
+                continue
+            target = r.get("target_val_loss", target)
+            pts = [(v["train_seconds"], v["val_loss"]) for v in r["vals"] if v["val_loss"] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=r["variant"])
+        if target is not None:
+            ax.axhline(target, color="grey", ls="--", lw=1, label="target (uncompressed final)")
+        ax.set_xlabel("training wall time (s, validation excluded)")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"{name}, tbf burst {burst}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine() -> dict:
+    from importlib.metadata import version  # no torch import in the launcher: it only waits for the ranks
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch": version("torch"),
+            "lightning": version("lightning"), "python": platform.python_version(), "kernel": platform.release(),
+            "load_average_at_start": list(os.getloadavg())}
+
+
+CSV_FIELDS = [
+    "link", "variant", "kind", "p", "error", "steps", "median_step_s", "mean_step_s", "p10_step_s", "p90_step_s",
+    "x_loopback_step", "step_speedup", "mean_step_speedup", "bytes_per_step", "median_bytes_per_step",
+    "fp32_bytes_per_step", "fewer_bytes_x", "veth_over_strategy", "wire_floor_step_s", "tbf_overlimits", "tbf_drops",
+    "final_val_loss", "target_val_loss", "time_to_target_s", "target_step", "ttt_speedup", "train_seconds",
+    "distinct_samples", "other_cores", "load_before", "load_after", "wall_seconds", "warning",
+]
+
+
+# ====================================================================================================================
+# Main
+# ====================================================================================================================
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="60 steps, validation every 20 (a few minutes)")
+    size.add_argument("--tiny", action="store_true", help="smoke test: 2 stages, tiny model, 3 steps, one link")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for the JSON, CSV and PNG (default benchmarks/results; --tiny: a temp folder)")
+    ap.add_argument("--links", type=float, nargs="+", default=None, help="link rates in Mbit/s (default 100 25)")
+    ap.add_argument("--burst", default="8kb", help="tbf burst (keep it small, or small messages escape the shaping)")
+    ap.add_argument("--latency", default="100ms", help="tbf latency (queue limit)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--val-every", type=int, default=None)
+    ap.add_argument("--val-batches", type=int, default=None)
+    ap.add_argument("--skip", type=int, default=None, help="first steps left out of the median step time")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--budget", type=float, default=1.0,
+                    help="compressed variants may train up to this many times the steps of uncompressed (default 1: "
+                         "the same steps for all; > 1 gives a variant that is slower per step a chance to reach the "
+                         "target, at its own cost in time)")
+    ap.add_argument("--p", type=float, default=0.5, help="lazy-sampling p of clapping-fc")
+    ap.add_argument("--fu-p", type=float, nargs="+", default=[0.5, 0.2], help="lazy-sampling p values of clapping-fu")
+    ap.add_argument("--forward-codec", default="q4")
+    ap.add_argument("--backward-codec", default="q8")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    ap.add_argument("--no-loopback-fc", action="store_true",
+                    help="skip clapping-fc on loopback (it shows the codecs' compute cost without a network)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the per-rank logs (their folder is printed)")
+    ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"slow_network: cannot run: {reason}", file=sys.stderr)
+        return 2
+    mode = make_mode(args)
+    variants = make_variants(args)
+    loop_variants = variants[:1] if (args.no_loopback_fc or args.tiny) else variants[:2]
+    out = args.out or (Path(tempfile.gettempdir()) / "slow_network_tiny" if args.tiny else ROOT / "benchmarks/results")
+    layers_per_stage = mode.layers // mode.stages or 1
+    cuts = [k * layers_per_stage for k in range(1, mode.stages)]
+    base_cfg = {k: getattr(mode, k) for k in ("stages", "d", "heads", "layers", "block", "batch", "microbatches",
+                                              "steps", "val_every", "val_batches", "data_limit", "seed")}
+    base_cfg.update(cuts=cuts, threads=args.threads, strategy_timeout=300)
+    info = machine()
+    settings = dict(asdict(mode), budget=args.budget, burst=args.burst, latency=args.latency,
+                    threads_per_rank=args.threads,
+                    split_points=[f"blocks.{c}" for c in cuts], schedule="1f1b", optimizer="AdamW lr 1e-3 wd 0.01, "
+                    "linear warm-up 20 steps (examples/char_lm.py)", prepost_receives="strategy default (on for gloo)",
+                    fp32_message_bytes=fp32_message_bytes(mode), variants=[asdict(v) for v in variants],
+                    loopback_variants=[v.label for v in loop_variants])
+    print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, lightning "
+          f"{info['lightning']}, Python {info['python']}, kernel {info['kernel']}, load average "
+          f"{', '.join(f'{x:.2f}' for x in info['load_average_at_start'])}")
+    print(f"mode {mode.name}: {mode.stages} stages (split at {settings['split_points']}), CharTransformer d={mode.d} "
+          f"heads={mode.heads} layers={mode.layers} block={mode.block}, batch {mode.batch}, {mode.microbatches} "
+          f"micro-batches, 1F1B, {mode.steps} steps, validation every {mode.val_every} steps on {mode.val_batches} "
+          f"fixed batches, median over steps > {mode.skip}, seed {mode.seed}, {args.threads} thread(s) per rank"
+          + (f", compressed variants up to {args.budget:g}x the steps" if args.budget != 1.0 else ""))
+    print(f"links: {', '.join(f'{x:g} Mbit/s' for x in mode.links)} (tbf burst {args.burst}, latency {args.latency}) "
+          f"and loopback; fp32 message per boundary and direction per step: "
+          f"{fp32_message_bytes(mode) / MiB:.3f} MiB")
+    print(f"variants: {', '.join(v.label for v in variants)} (codecs {args.forward_codec} forward / "
+          f"{args.backward_codec} backward); on loopback: {', '.join(v.label for v in loop_variants)}\n")
+
+    workdir = Path(tempfile.mkdtemp(prefix="slow_network_"))
+    lab = Lab()
+    runner = Runner(lab, workdir)
+    atexit.register(runner.close)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    rows: list[dict] = []
+    t_all = time.monotonic()
+    try:
+        stage_eps = lab.build_star(mode.stages)
+        loop_ep = lab.build_loopback()
+        plan: list[tuple[float | None, Variant]] = [(None, v) for v in loop_variants]
+        plan += [(link, v) for link in mode.links for v in variants]
+        for i, (link, variant) in enumerate(plan):
+            fp32 = fp32_message_bytes(mode)
+            wire = 0.0 if link is None else 2 * fp32 * 8 / (link * 1e6)  # busiest veth, uncompressed, per step
+            n_steps = max(mode.steps, round(mode.steps * args.budget))
+            n_vals = n_steps // mode.val_every
+            timeout = 180 + 4 * (n_steps * (wire + 0.6) + n_vals * mode.val_batches * (wire / 2 + 0.3))
+            cfg = dict(base_cfg, variant=asdict(variant))
+            if variant.variant != "uncompressed" and args.budget != 1.0:
+                cfg["steps"] = max(mode.val_every, round(mode.steps * args.budget / mode.val_every) * mode.val_every)
+            name = "loopback" if link is None else f"{link:g}mbit"
+            key = f"{i:02d}_{name}_{variant.label.replace(' ', '_').replace('=', '')}"
+            if link is None:
+                endpoints, before = [loop_ep] * mode.stages, None
+            else:
+                lab.shape(link, args.burst, args.latency)
+                endpoints, before = stage_eps, lab.counters()
+            load_before = os.getloadavg()[0]
+            print(f"[{i + 1}/{len(plan)}] {name:<9} {variant.label:<18} ...", end=" ", flush=True)
+            raw = runner.run(key, cfg, endpoints, timeout)
+            counters = Lab.delta(before, lab.counters()) if before is not None else None
+            row = summarize(raw, mode, link, variant, counters)
+            row["load_before"], row["load_after"] = load_before, os.getloadavg()[0]
+            rows.append(row)
+            if row["error"]:
+                print(f"FAILED ({row['error']})\n{raw.get('log_tail', '')}")
+            else:
+                print(f"{row['median_step_s']:.3f} s/step, {row['bytes_per_step'] / MiB:.3f} MiB/step, final val "
+                      f"{row['final_val_loss']:.4f}, {raw['wall_seconds']:.0f} s wall, other jobs used "
+                      f"{row['other_cores']:.2f} of {os.cpu_count()} cores meanwhile"
+                      + (f"; WARNING: {row['warning']}" if row["warning"] else ""))
+    finally:
+        runner.close()
+        if args.keep_logs:
+            print(f"per-rank logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    add_comparisons(rows)
+    targets = evaluate_targets(rows)
+    print()
+    print_table(rows)
+    print(f"\nshaping check (tbf burst {args.burst}; overlimits/drops: whole run, all stage veths; veth/strategy: "
+          "bytes out of each rank's veth during its training steps / bytes the strategy counted for that rank):")
+    for r in (r for r in rows if r["rate_mbit"] is not None and not r["error"]):
+        ratios = ", ".join(_fmt(e.get("veth_over_strategy"), ".3f") for e in r["per_rank"])
+        print(f"  {r['link']:<11} {r['variant']:<18} {r.get('tbf_overlimits', 0):>8} overlimits "
+              f"{r.get('tbf_drops', 0):>4} drops; smallest message {r['min_message_bytes'] / 1024:6.1f} KiB; "
+              f"veth/strategy per rank {ratios}")
+    print("\nbytes per step and boundary from the strategy's logged clapping/b{m}_fwd_bytes / _bwd_bytes (mean over "
+          f"steps, MiB; fp32 payload {fp32_message_bytes(mode) / MiB:.3f} MiB):")
+    for r in (r for r in rows if not r["error"] and r["rate_mbit"] == (mode.links[0] if mode.links else None)):
+        pairs = "  ".join(f"b{m} {f / MiB:.3f}/{b / MiB:.3f}" for m, (f, b) in
+                          enumerate(zip(r["fwd_bytes_per_boundary"], r["bwd_bytes_per_boundary"])) if f and b)
+        print(f"  {r['variant']:<18} fwd/bwd: {pairs}")
+    print("\ntargets (char-LM):" if mode.name != "tiny" else "\ntargets (tiny model: not meaningful, printed to test "
+                                                             "the code path):")
+    for t in targets:
+        print(f"  {t['verdict']:<8} {t['target']} (measured {_fmt(t['value'], '.2f')})")
+    for r in rows:
+        if r["kind"] == "clapping-fu" and not r["error"]:
+            ttt = (f"time-to-target {r['ttt_speedup']:.2f}x shorter" if r.get("ttt_speedup")
+                   else "target loss not reached")
+            print(f"  clapping-fu p={r['p']:g} on {r['link']}: median step {_fmt(r.get('step_speedup'), '.2f')}x and "
+                  f"mean step {_fmt(r.get('mean_step_speedup'), '.2f')}x faster "
+                  f"than uncompressed, {ttt}")
+
+    busy = [r for r in rows if (r.get("other_cores") or 0) > 0.2]
+    if busy:
+        print(f"\nWARNING: other processes used more than 0.2 CPU cores during {len(busy)} run(s) "
+              f"({', '.join(r['link'] + ' ' + r['variant'] for r in busy)}): their timings are slowed down; "
+              "re-run on a quiet machine before quoting them.")
+    info["load_average_at_end"] = list(os.getloadavg())
+    info["total_wall_seconds"] = time.monotonic() - t_all
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "slow_network.json").write_text(json.dumps(
+        {"machine": info, "settings": settings, "runs": rows, "targets": targets}, indent=1, default=str))
+    with open(out / "slow_network.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    try:
+        plot(rows, mode.links, args.burst, out / "slow_network.png")
+        plotted = f" and {out / 'slow_network.png'}"
+    except ImportError:
+        plotted = " (no plot: matplotlib is not installed)"
+    print(f"\nwrote {out / 'slow_network.json'}, {out / 'slow_network.csv'}{plotted} "
+          f"({info['total_wall_seconds']:.0f} s in all)")
+    return 1 if any(r["error"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
