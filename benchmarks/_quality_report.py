@@ -5,13 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-import platform
 import statistics
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from _machine import describe
 
 from _quality_tasks import TASKS
 
@@ -236,18 +237,7 @@ def sanity_checks(records: list[dict]) -> list[dict]:
 
 
 def machine() -> dict:
-    import lightning
-
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "logical_cpus": torch.multiprocessing.cpu_count(), "torch": torch.__version__,
-            "lightning": lightning.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    return describe()
 
 
 def _metric_str(a: dict) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import statistics
 import sys
 import time
@@ -30,27 +29,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning_clapping.codecs import compression_ratio, get_codec  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import describe  # noqa: E402
+
 CODECS = ["identity", "bf16", "fp16", "fp8", "q8", "q4", "q2", "q4:group128", "q4:sr", "topk:0.1", "randk:0.1"]
 HEADLINE = "q4"
 
 
 def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "logical_cpus": torch.multiprocessing.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+    return describe(torch_threads=torch.get_num_threads())
 
 
 class CacheFlush:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -35,6 +34,8 @@ from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _machine import describe  # noqa: E402
 
 SIZES = {  # name: (layers = stages, d, heads, block, batch, microbatches, vocab, timed steps, warm-up, rounds)
     "tiny": (2, 16, 2, 8, 4, 2, 16, 2, 1, 1),
@@ -212,8 +213,7 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in results.items()}
     summary = {
         "mode": mode,
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "threads_per_rank": 1},
+        "machine": describe(threads_per_rank=1),
         "setup": dict(zip(["stages", "d", "heads", "block", "batch", "microbatches", "vocab", "timed_steps",
                            "warmup_steps", "rounds"], cfg)) | {"schedule": "gpipe", "link": "loopback (gloo)"},
         "samples_per_s": results,
@@ -238,16 +238,6 @@ def main(argv=None):
     print(f"lightning / bare_executor        = {summary['lightning_vs_bare_executor']:.3f}  (cost of the Lightning "
           "integration)")
     return summary
-
-
-def _cpu():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
