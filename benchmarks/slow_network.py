@@ -24,11 +24,16 @@ never inside a step), the bytes per step the strategy logs (``clapping/b{m}_fwd_
 counters (whole run, and per rank inside the training steps only), and the validation loss every K steps on a fixed
 subset of the held-out plays. Time-to-target: the target is the validation loss that uncompressed reaches at the end
 of its run on the same link; a run's time-to-target is its cumulative training time (sum of step times, validation
-excluded) up to the first validation at or below the target, or "not reached".
+excluded) up to the first validation at or below the target, or "not reached". ``--budget F`` lets the compressed
+variants train up to F times the steps (default 1: the same steps for all).
 
-Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test), ``--quick`` (60 steps, a few minutes
-with 4 ranks on 2 cores), default (400 steps). Results: ``slow_network.json`` (everything, per step), ``.csv`` (one row
-per run) and ``.png`` under ``--out``.
+Timings only mean something on an otherwise idle machine: every run records how many CPU cores other processes used
+meanwhile (column "other"; the script warns when it exceeds 0.2), so disturbed numbers can be recognised and re-run.
+
+Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test, under a minute), ``--quick`` (60 steps,
+about 10 minutes with 4 ranks on 2 cores, most of it the uncompressed run at 25 Mbit/s and process start-up), default
+(400 steps). Results: ``slow_network.json`` (everything, per step), ``.csv`` (one row per run) and ``.png`` under
+``--out``.
 """
 
 from __future__ import annotations
