@@ -5,8 +5,6 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-import torch
-
 
 def cpu_model() -> str:
     try:
@@ -20,6 +18,8 @@ def cpu_model() -> str:
 
 def describe(**extra: object) -> dict:
     """CPU model, logical CPUs, Python and torch versions (and Lightning's when installed), plus ``extra``."""
+    import torch  # imported here so that cpu_model() stays usable without torch
+
     out: dict[str, object] = {"cpu": cpu_model(), "logical_cpus": torch.multiprocessing.cpu_count(),
                               "python": platform.python_version(), "torch": torch.__version__,
                               "platform": platform.platform()}

@@ -598,15 +598,9 @@ def plot(rows: list[dict], links: list[float], burst: str, path: Path) -> None:
 def machine() -> dict:
     from importlib.metadata import version  # no torch import in the launcher: it only waits for the ranks
 
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch": version("torch"),
+    from _machine import cpu_model
+
+    return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch": version("torch"),
             "lightning": version("lightning"), "python": platform.python_version(), "kernel": platform.release(),
             "load_average_at_start": list(os.getloadavg())}
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
@@ -86,4 +85,3 @@ __all__ = [
     "merge_optimizer_states",
     "owned_indices",
 ]
-_ = torch

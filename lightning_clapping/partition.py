@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -281,4 +280,3 @@ def count_stage_bytes(model: nn.Module) -> int:
 
 
 __all__ = ["Partition", "PartitionError", "balance", "block_candidates", "build_partition", "count_stage_bytes"]
-_ = torch  # torch is imported for type users of this module

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -400,8 +401,6 @@ class ClappingStrategy(ParallelStrategy):
 
     @property
     def _rng_base(self) -> int:
-        import os
-
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _share_step_results(self, loss: float | None, stats: StepStats | None, batch_size: int,
