@@ -18,7 +18,8 @@ messages are then 2 MiB per link and direction per step. Each rank uses one CPU 
 ``torch.set_num_threads(1)``): four ranks share a small CPU without oversubscribing it.
 
 Variants, all with the same seed, steps and optimizer: uncompressed; clapping-fc (4-bit forward, 8-bit backward,
-lazy sampling p=0.5); clapping-fu with the same codecs at p=0.5 and p=0.2. Measured per run: the median step time on
+lazy sampling p=0.5); on the shaped links also clapping-fc with 4-bit messages both ways (``--fc-extra``); and
+clapping-fu with the first codecs at p=0.5 and p=0.2. Measured per run: the median step time on
 rank 0 (wall time from ``on_train_batch_start`` to ``on_train_batch_end``, the first steps left out; validation is
 never inside a step), the bytes per step the strategy logs (``clapping/b{m}_fwd_bytes`` etc.), the veth and tbf
 counters (whole run, and per rank inside the training steps only), and the validation loss every K steps on a fixed
@@ -121,6 +122,11 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
     out = [Variant("uncompressed", "uncompressed"),
            Variant(f"clapping-fc p={args.p:g}", "clapping-fc", args.p, fwd, bwd)]
     if not args.tiny:
+        for pair in args.fc_extra:
+            extra_fwd, _, extra_bwd = pair.partition("/")
+            if not extra_fwd or not extra_bwd:
+                raise SystemExit(f"--fc-extra takes FORWARD/BACKWARD codec pairs such as q4/q4, got {pair!r}")
+            out.append(Variant(f"clapping-fc p={args.p:g} {pair}", "clapping-fc", args.p, extra_fwd, extra_bwd))
         out += [Variant(f"clapping-fu p={p:g}", "clapping-fu", p, fwd, bwd) for p in args.fu_p]
     return out
 
@@ -495,6 +501,17 @@ def evaluate_targets(rows: list[dict]) -> list[dict]:
         ("100 Mbit/s: clapping-fc time-to-target >= 2x shorter than uncompressed", fc100, "ttt_speedup", 2.0, ">="),
         ("25 Mbit/s: clapping-fc time-to-target >= 4x shorter than uncompressed", fc25, "ttt_speedup", 4.0, ">="),
     ]
+    # the same targets for the other codec pairs of clapping-fc (--fc-extra), each named by its label
+    for extra in (r for r in rows if r["kind"] == "clapping-fc" and not r["error"] and r["rate_mbit"] is not None
+                  and r is not find(r["rate_mbit"], "clapping-fc")):
+        if extra["rate_mbit"] == 100.0:
+            specs += [(f"100 Mbit/s: {extra['variant']} step time <= 1.15x loopback step time", extra,
+                       "x_loopback_step", 1.15, "<="),
+                      (f"100 Mbit/s: {extra['variant']} time-to-target >= 2x shorter than uncompressed", extra,
+                       "ttt_speedup", 2.0, ">=")]
+        elif extra["rate_mbit"] == 25.0:
+            specs.append((f"25 Mbit/s: {extra['variant']} time-to-target >= 4x shorter than uncompressed", extra,
+                          "ttt_speedup", 4.0, ">="))
     for text, row, key, bound, op in specs:
         value = row.get(key) if row else None
         if row is None:
@@ -525,19 +542,19 @@ TABLE_LEGEND = (
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'link':<12} {'variant':<18} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'MiB/step':>8} "
+    head = (f"{'link':<12} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'MiB/step':>8} "
             f"{'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} {'to target s':>11} "
             f"{'x unc':>6} {'other':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
         if r["error"]:
-            print(f"{r['link']:<12} {r['variant']:<18} FAILED: {r['error']}")
+            print(f"{r['link']:<12} {r['variant']:<24} FAILED: {r['error']}")
             continue
         ttt = (f"{r['time_to_target_s']:.1f} @{r['target_step']}" if r.get("time_to_target_s") is not None
                else "not reached")
         mib = r["bytes_per_step"] / MiB if r["bytes_per_step"] is not None else None
-        print(f"{r['link']:<12} {r['variant']:<18} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
+        print(f"{r['link']:<12} {r['variant']:<24} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
               f"{_fmt(r.get('x_loopback_step'), '.2f'):>7} {_fmt(r.get('step_speedup'), '.2f'):>6} "
               f"{_fmt(mib, '.3f'):>8} {_fmt(r.get('fewer_bytes_x'), '.1f'):>6} "
               f"{_fmt(r.get('veth_over_strategy'), '.3f'):>8} "
@@ -640,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
                          "target, at its own cost in time)")
     ap.add_argument("--p", type=float, default=0.5, help="lazy-sampling p of clapping-fc")
     ap.add_argument("--fu-p", type=float, nargs="+", default=[0.5, 0.2], help="lazy-sampling p values of clapping-fu")
+    ap.add_argument("--fc-extra", nargs="*", default=["q4/q4"], metavar="FWD/BWD",
+                    help="further clapping-fc variants with these codec pairs on the shaped links (default q4/q4: "
+                         "4-bit gradients too; none with an empty list)")
     ap.add_argument("--forward-codec", default="q4")
     ap.add_argument("--backward-codec", default="q8")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
@@ -716,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
                 lab.shape(link, args.burst, args.latency)
                 endpoints, before = stage_eps, lab.counters()
             load_before = os.getloadavg()[0]
-            print(f"[{i + 1}/{len(plan)}] {name:<9} {variant.label:<18} ...", end=" ", flush=True)
+            print(f"[{i + 1}/{len(plan)}] {name:<9} {variant.label:<24} ...", end=" ", flush=True)
             raw = runner.run(key, cfg, endpoints, timeout)
             counters = Lab.delta(before, lab.counters()) if before is not None else None
             row = summarize(raw, mode, link, variant, counters)
@@ -744,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
           "bytes out of each rank's veth during its training steps / bytes the strategy counted for that rank):")
     for r in (r for r in rows if r["rate_mbit"] is not None and not r["error"]):
         ratios = ", ".join(_fmt(e.get("veth_over_strategy"), ".3f") for e in r["per_rank"])
-        print(f"  {r['link']:<11} {r['variant']:<18} {r.get('tbf_overlimits', 0):>8} overlimits "
+        print(f"  {r['link']:<11} {r['variant']:<24} {r.get('tbf_overlimits', 0):>8} overlimits "
               f"{r.get('tbf_drops', 0):>4} drops; smallest message {r['min_message_bytes'] / 1024:6.1f} KiB; "
               f"veth/strategy per rank {ratios}")
     print("\nbytes per step and boundary from the strategy's logged clapping/b{m}_fwd_bytes / _bwd_bytes (mean over "
@@ -752,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in (r for r in rows if not r["error"] and r["rate_mbit"] == (mode.links[0] if mode.links else None)):
         pairs = "  ".join(f"b{m} {f / MiB:.3f}/{b / MiB:.3f}" for m, (f, b) in
                           enumerate(zip(r["fwd_bytes_per_boundary"], r["bwd_bytes_per_boundary"])) if f and b)
-        print(f"  {r['variant']:<18} fwd/bwd: {pairs}")
+        print(f"  {r['variant']:<24} fwd/bwd: {pairs}")
     print("\ntargets (char-LM):" if mode.name != "tiny" else "\ntargets (tiny model: not meaningful, printed to test "
                                                              "the code path):")
     for t in targets:

@@ -88,3 +88,46 @@ def test_tiny_mode_deletes_the_namespaces_it_created(tiny_run):
     proc, _, left = tiny_run
     assert proc.returncode == 0, proc.stderr_text[-4000:]
     assert not left, f"left behind: {sorted(left)}"
+
+
+def _row(link, variant, kind, step_s, val_losses, rate=None):
+    """A summarised run as ``summarize`` leaves it, reduced to what the comparisons read."""
+    vals = [{"step": 10 * (i + 1), "train_seconds": step_s * 10 * (i + 1), "val_loss": v}
+            for i, v in enumerate(val_losses)]
+    return {"link": link, "variant": variant, "kind": kind, "rate_mbit": rate, "error": None,
+            "median_step_s": step_s, "mean_step_s": step_s, "final_val_loss": val_losses[-1], "vals": vals}
+
+
+def test_every_clapping_fc_codec_pair_is_judged_against_the_targets():
+    import slow_network
+
+    rows = [_row("loopback", "uncompressed", "uncompressed", 0.2, [3.0, 2.0]),
+            _row("100 Mbit/s", "uncompressed", "uncompressed", 0.6, [3.0, 2.0], 100.0),
+            _row("100 Mbit/s", "clapping-fc p=0.5", "clapping-fc", 0.3, [3.0, 2.1, 2.05], 100.0),
+            _row("100 Mbit/s", "clapping-fc p=0.5 q4/q4", "clapping-fc", 0.22, [3.0, 2.0], 100.0),
+            _row("25 Mbit/s", "uncompressed", "uncompressed", 2.0, [3.0, 2.0], 25.0),
+            _row("25 Mbit/s", "clapping-fc p=0.5 q4/q4", "clapping-fc", 0.4, [2.5, 1.9], 25.0)]
+    slow_network.add_comparisons(rows)
+    verdicts = {t["target"]: (t["verdict"], t["value"]) for t in slow_network.evaluate_targets(rows)}
+    # the first clapping-fc row of a link is the main one; q4/q8 never reached 2.0 in its runs
+    assert verdicts["100 Mbit/s: clapping-fc time-to-target >= 2x shorter than uncompressed"][0].startswith("NOT MET")
+    verdict, value = verdicts["100 Mbit/s: clapping-fc p=0.5 q4/q4 step time <= 1.15x loopback step time"]
+    assert verdict == "MET" and value == pytest.approx(1.1)
+    verdict, value = verdicts["100 Mbit/s: clapping-fc p=0.5 q4/q4 time-to-target >= 2x shorter than uncompressed"]
+    assert verdict == "MET" and value == pytest.approx(0.6 / 0.22)
+    # on 25 Mbit/s the q4/q4 run is the only clapping-fc, so it is the main one there
+    verdict, value = verdicts["25 Mbit/s: clapping-fc time-to-target >= 4x shorter than uncompressed"]
+    assert verdict == "MET" and value == pytest.approx(5.0)
+
+
+def test_a_malformed_codec_pair_is_refused_with_the_expected_form():
+    import slow_network
+
+    import argparse
+
+    args = argparse.Namespace(forward_codec="q4", backward_codec="q8", p=0.5, fu_p=[0.5], tiny=False, fc_extra=["q4"])
+    with pytest.raises(SystemExit, match="FORWARD/BACKWARD"):
+        slow_network.make_variants(args)
+    args.fc_extra = ["q4/q4"]
+    labels = [v.label for v in slow_network.make_variants(args)]
+    assert labels == ["uncompressed", "clapping-fc p=0.5", "clapping-fc p=0.5 q4/q4", "clapping-fu p=0.5"]
