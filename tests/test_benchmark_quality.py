@@ -103,3 +103,27 @@ def test_report_only_rebuilds_the_report(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads((tmp_path / "quality.json").read_text())
     assert [a["metric_mean"] for a in again["aggregates"]] == [a["metric_mean"] for a in result["aggregates"]]
+
+
+def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_seeds():
+    # in a subprocess: importing quality.py sets torch's thread count for the whole process
+    code = (
+        "import json, sys; sys.argv = ['quality.py']\n"
+        "import quality\n"
+        "out = {}\n"
+        "for flag in ('--tiny', '--quick', '--standard', None):\n"
+        "    args = quality.parse_args([flag] if flag else [])\n"
+        "    plan = quality.build_plan(args)\n"
+        "    out[args.mode] = {'runs': len(plan), 'seeds': len({c.seed for c in plan}),\n"
+        "                      'last_step_validated': all(c.steps % c.val_every == 0 for c in plan)}\n"
+        "print(json.dumps(out))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(p["last_step_validated"] for p in plans.values()), plans
+    configs_per_task = 16  # uncompressed twice, then 7 per codec setting (direct, ef21, aqsgd, fc and fu at 2 p)
+    assert plans["standard"] == {"runs": 3 * 2 * configs_per_task, "seeds": 3, "last_step_validated": True}
+    assert plans["full"]["runs"] == 3 * 2 * configs_per_task
