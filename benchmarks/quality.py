@@ -1,7 +1,7 @@
 """Quality against bytes: every compression variant through a 4-stage pipeline on two real tasks.
 
     python benchmarks/quality.py             # the full comparison (3 seeds, all variants; prints its estimate)
-    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 75 min on 2 cores (BENCHMARKS.md's numbers)
+    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 50 min on 2 cores (BENCHMARKS.md's numbers)
     python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
     python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
     options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare, --seeds N, --steps-scale F,
@@ -84,7 +84,7 @@ MODES: dict[str, dict] = {
             "shakespeare": {"steps": 40, "val_every": 20, "limit": None, "eval_samples": 128},
         },
     },
-    # what BENCHMARKS.md reports: 3 seeds and every variant, with runs short enough for about 75 min on 2 cores
+    # what BENCHMARKS.md reports: 3 seeds and every variant, with runs short enough for about 50 min on 2 cores
     "standard": {
         "seeds": 3,
         "configs": None,
@@ -319,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_const", const="quick", dest="mode")
     size.add_argument("--tiny", action="store_const", const="tiny", dest="mode")
     size.add_argument("--standard", action="store_const", const="standard", dest="mode",
-                      help="3 seeds, shorter runs than the full mode (what BENCHMARKS.md reports; ~75 min here)")
+                      help="3 seeds, shorter runs than the full mode (what BENCHMARKS.md reports; ~50 min here)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 full/standard, 1 quick/tiny)")

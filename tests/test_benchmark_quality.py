@@ -108,7 +108,7 @@ def test_report_only_rebuilds_the_report(tiny, tmp_path):
 def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_seeds():
     # in a subprocess: importing quality.py sets torch's thread count for the whole process
     code = (
-        "import json, sys; sys.argv = ['quality.py']\n"
+        "import json\n"
         "import quality\n"
         "out = {}\n"
         "for flag in ('--tiny', '--quick', '--standard', None):\n"
