@@ -13,11 +13,13 @@ The module tree is then divided into
   whose own Python code runs on every stage and whose children belong to several stages.
 
 Without cut points the partition is chosen automatically: the candidates are the elements of the model's block lists
-(``nn.Sequential`` / ``nn.ModuleList``), and the cuts minimise the largest stage's parameter count.
+(``nn.Sequential`` / ``nn.ModuleList``), and the cuts give every stage parameters, minimise the largest stage's
+parameter count and then the size of what crosses the boundaries (see :func:`balance`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -124,9 +126,27 @@ def _param_position_sizes(model: nn.Module, names: list[str]) -> list[int]:
     return sizes
 
 
-def balance(model: nn.Module, num_stages: int) -> list[str]:
-    """Choose ``num_stages - 1`` cut points among :func:`block_candidates` minimising the largest stage."""
-    names = [n for n, _ in _modules_in_order(model)]
+def balance(model: nn.Module, num_stages: int, boundary_numel: dict[str, int] | None = None) -> list[str]:
+    """Choose ``num_stages - 1`` cut points among :func:`block_candidates`.
+
+    The partitions are ranked lexicographically:
+
+    1. every stage holds parameters. A stage without any does no work, still costs a process and a pipeline slot,
+       and its boundary carries the raw input. This is a hard constraint, not a preference: when no partition
+       meets it (the parameters sit in fewer runs of blocks than there are stages) :class:`PartitionError` is
+       raised rather than a warning, because an automatic choice should never produce a stage the user would not
+       have chosen; explicit ``split_points`` are still taken as given. It never costs balance: whenever
+       partitions without an empty stage exist, one of them has the smallest largest stage of *all* partitions
+       (drop the cut that ends an empty stage, which merges it into its neighbour, and re-add it inside a stage
+       holding two parameter-holding blocks: no stage grows);
+    2. the largest stage's parameter count is minimal;
+    3. the boundaries are small: ``boundary_numel`` maps a candidate name to the number of elements its cut would
+       send (the tensors passed to that module); among the partitions left, the one sending the fewest elements in
+       total is chosen. ``None`` (unknown) ranks by parameter counts alone; otherwise every candidate must be in
+       the mapping.
+
+    Ties left after that are broken deterministically, toward earlier cuts.
+    """
     candidates = block_candidates(model)
     if num_stages - 1 > len(candidates):
         raise PartitionError(
@@ -136,36 +156,72 @@ def balance(model: nn.Module, num_stages: int) -> list[str]:
         )
     if num_stages == 1:
         return []
+    if boundary_numel is not None:
+        missing = [c for c in candidates if c not in boundary_numel]
+        if missing:
+            raise PartitionError(f"boundary_numel has no entry for the cuttable blocks {missing}")
+    names = [n for n, _ in _modules_in_order(model)]
     index = {n: i for i, n in enumerate(names)}
-    positions = [index[c] for c in candidates]
     sizes = _param_position_sizes(model, names)
+    # The model in pre-order is a row of pieces: piece 0 is what precedes the first candidate, piece p >= 1 starts
+    # at candidate p - 1 and runs to the next candidate. A stage is a run of pieces; cutting at candidate p - 1
+    # makes piece p the first of a stage.
+    bounds = [0] + [index[c] for c in candidates] + [len(names)]
+    pieces = [sum(sizes[bounds[p]:bounds[p + 1]]) for p in range(len(bounds) - 1)]
+    holding = [p for p, size in enumerate(pieces) if size > 0]
+    if len(holding) < num_stages:
+        firsts = ["<start>" if p == 0 else candidates[p - 1] for p in holding]
+        raise PartitionError(
+            f"cannot cut the model into {num_stages} stages that all hold parameters: its parameters sit in only "
+            f"{len(holding)} runs of blocks (starting at {', '.join(firsts)}), so some stage would hold none and do "
+            f"no work but pass its input on. Use at most {len(holding)} devices, or pass `split_points=[...]` "
+            "naming finer modules."
+        )
     prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
+    for size in pieces:
+        prefix.append(prefix[-1] + size)
 
-    def seg(a: int, b: int) -> int:  # params with pre-order index in [a, b)
+    def params(a: int, b: int) -> int:  # parameters of the stage made of pieces a .. b-1
         return prefix[b] - prefix[a]
 
-    n, k = len(positions), num_stages - 1
-    bounds = [0] + positions + [len(names)]  # bounds[i+1] is candidate i's position
     inf = float("inf")
-    # best[j][i]: minimal max stage size using j cuts, the last one at candidate i
-    best = [[inf] * n for _ in range(k + 1)]
-    back = [[-1] * n for _ in range(k + 1)]
-    for i in range(n):
-        best[1][i] = seg(0, bounds[i + 1])
-    for j in range(2, k + 1):
-        for i in range(j - 1, n):
-            for h in range(j - 2, i):
-                v = max(best[j - 1][h], seg(bounds[h + 1], bounds[i + 1]))
-                if v < best[j][i]:
-                    best[j][i], back[j][i] = v, h
-    final = [(max(best[k][i], seg(bounds[i + 1], len(names))), i) for i in range(k - 1, n)]
-    _, last = min(final)
-    chosen = [last]
-    for j in range(k, 1, -1):
-        chosen.append(back[j][chosen[-1]])
-    return [candidates[i] for i in reversed(chosen)]
+    # (1) + (2): the smallest largest stage among partitions without an empty stage
+    largest, _ = _best_cuts(len(pieces), num_stages, lambda a, b: params(a, b) or inf, max)
+
+    # (3): among those with no stage above `largest`, the smallest total boundary (0 everywhere when unknown)
+    def sent(a: int, b: int) -> float:
+        if params(a, b) == 0 or params(a, b) > largest:
+            return inf
+        return 0 if a == 0 or boundary_numel is None else boundary_numel[candidates[a - 1]]
+
+    _, starts = _best_cuts(len(pieces), num_stages, sent, lambda x, y: x + y)
+    return [candidates[a - 1] for a in starts]
+
+
+def _best_cuts(num_pieces: int, num_stages: int, score: Callable[[int, int], float],
+               combine: Callable[[float, float], float]) -> tuple[float, list[int]]:
+    """Split pieces ``0 .. num_pieces-1`` into ``num_stages`` non-empty runs minimising ``combine`` of the runs'
+    ``score(a, b)`` (run = pieces a .. b-1; ``inf`` forbids a run). ``combine`` must be ``max`` or ``+`` over
+    non-negative scores, so that 0 is its identity and the best split of a prefix extends to the best of the whole.
+    Returns the optimum and the first piece of every run but the first; ties go to the earliest cuts."""
+    inf = float("inf")
+    # best[s][b]: optimum for splitting pieces 0 .. b-1 into s runs; start[s][b]: where the last of those runs starts
+    best = [[inf] * (num_pieces + 1) for _ in range(num_stages + 1)]
+    start = [[-1] * (num_pieces + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for b in range(s, num_pieces + 1):
+            for a in range(s - 1, b):
+                v = combine(best[s - 1][a], score(a, b))
+                if v < best[s][b]:
+                    best[s][b], start[s][b] = v, a
+    if best[num_stages][num_pieces] == inf:  # pragma: no cover - balance() checks feasibility first
+        raise PartitionError(f"no way to cut the model into {num_stages} stages under the constraints")
+    starts, b = [], num_pieces
+    for s in range(num_stages, 0, -1):
+        b = start[s][b]
+        starts.append(b)
+    return best[num_stages][num_pieces], list(reversed(starts))[1:]
 
 
 def build_partition(model: nn.Module, num_stages: int, split_points: list[str] | None = None) -> Partition:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -30,6 +33,78 @@ def test_balance_minimises_the_largest_stage():
     wrapped = nn.Module()
     wrapped.net = model
     assert balance(wrapped, 2) == ["net.4"]
+
+
+def _wrapped(*layers: nn.Module) -> nn.Module:
+    model = nn.Module()
+    model.net = nn.Sequential(*layers)
+    return model
+
+
+def _mnist_mlp() -> nn.Module:
+    # Linear(784, 64) holds 91 % of the parameters
+    return _wrapped(nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_a_dominant_layer_leaves_no_stage_empty():
+    model = _mnist_mlp()
+    for stages in (2, 3):
+        part = build_partition(model, stages)
+        assert all(p > 0 for p in part.stage_params), (part.cut_points, part.stage_params)
+        assert max(part.stage_params) == 784 * 64 + 64  # the big layer alone: the best any partition can do
+    # the raw input (784 wide) never crosses the wire: stage 0 runs the big layer
+    assert "net.0" not in build_partition(model, 3).cut_points
+
+
+def test_more_stages_than_parameter_holding_blocks_is_refused_with_advice():
+    with pytest.raises(PartitionError, match="4 stages that all hold parameters.*only 3 runs.*at most 3 devices"):
+        balance(_mnist_mlp(), 4)
+    # explicit split points are taken as given, even with a stage that holds nothing
+    assert build_partition(_mnist_mlp(), 4, ["net.0", "net.1", "net.3"]).stage_params[0] == 0
+
+
+def test_boundary_sizes_break_ties_between_equally_balanced_cuts():
+    model = _mnist_mlp()
+    # net.1/net.2 and net.3/net.4 give the same stage sizes: the smaller boundary wins
+    sizes = {"net.0": 784, "net.1": 64, "net.2": 64, "net.3": 64, "net.4": 64}
+    assert balance(model, 3, {**sizes, "net.2": 30, "net.4": 5}) == ["net.2", "net.4"]
+    assert balance(model, 3, {**sizes, "net.1": 30, "net.3": 5}) == ["net.1", "net.3"]
+    # but never at the price of a larger largest stage or an empty stage
+    assert balance(model, 2, {**sizes, "net.0": 0, "net.4": 1000}) in (["net.1"], ["net.2"])
+
+
+def test_boundary_sizes_must_cover_every_candidate():
+    with pytest.raises(PartitionError, match="no entry for the cuttable blocks \\['net.4'\\]"):
+        balance(_mnist_mlp(), 2, {f"net.{i}": 1 for i in range(4)})
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_balance_is_the_lexicographic_optimum_of_all_partitions(seed):
+    """Against brute force: among all partitions, no empty stage when possible, then the smallest largest stage,
+    then the smallest total boundary; the empty-stage rule never costs a larger largest stage."""
+    rng = random.Random(seed)
+    layers: list[nn.Module] = []
+    for _ in range(rng.randint(3, 7)):
+        layers.append(nn.Linear(rng.choice([1, 2, 8, 30]), rng.choice([1, 2, 8])) if rng.random() < 0.6
+                      else nn.ReLU())
+    model = _wrapped(*layers)
+    candidates = block_candidates(model)
+    stages = rng.randint(2, min(4, len(candidates)))
+    numel = {c: rng.randint(1, 5) for c in candidates}
+    options = []
+    for cuts in itertools.combinations(candidates, stages - 1):
+        sizes = build_partition(model, stages, list(cuts)).stage_params
+        options.append((min(sizes) == 0, max(sizes), sum(numel[c] for c in cuts)))
+    best = min(options)
+    if best[0]:
+        with pytest.raises(PartitionError, match="all hold parameters"):
+            balance(model, stages, numel)
+        return
+    assert best[1] == min(o[1] for o in options)  # avoiding empty stages did not cost balance
+    sizes = build_partition(model, stages).stage_params
+    assert min(sizes) > 0 and max(sizes) == best[1]
+    chosen = balance(model, stages, numel)
+    assert (False, max(build_partition(model, stages, chosen).stage_params), sum(numel[c] for c in chosen)) == best
 
 
 def test_automatic_partition_of_a_transformer_gives_each_stage_whole_blocks():
