@@ -97,7 +97,7 @@ def block_candidates(model: nn.Module) -> list[str]:
     candidates: list[str] = []
     covered: list[str] = []
     for name, module in model.named_modules():
-        if any(_is_descendant(name, c) for c in covered):
+        if any(name == c or _is_descendant(name, c) for c in covered):
             continue
         if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) >= 2 and name != "":
             kids = [f"{name}.{k}" for k, _ in module.named_children()]

@@ -166,3 +166,11 @@ def test_tied_weights_across_stages_are_refused():
 def test_split_point_count_must_match_the_number_of_stages():
     with pytest.raises(PartitionError, match="2 split points make 3 stages"):
         build_partition(TinyGPT(), 2, ["blocks.1", "blocks.2"])
+
+
+def test_candidates_do_not_descend_into_blocks_that_are_themselves_sequential():
+    # a ModuleList of Sequential blocks: the blocks are the candidates, not their layers (in registration order)
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4))
+    assert block_candidates(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert balance(model, 4) == ["blocks.1", "blocks.2", "blocks.3"]
