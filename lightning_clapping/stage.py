@@ -220,17 +220,22 @@ def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device | N
 
 
 def check_finite(tensors: list[Tensor], what: str, first_step: bool) -> None:
-    """Refuse to send or use non-finite values, and say the likely cause."""
+    """Refuse to send or use NaN, and say the likely cause.
+
+    Only NaN is refused: it is what the placeholders of skipped modules hold, so on the first step a NaN means a value
+    leaked across a cut. ``inf`` and ``-inf`` are ordinary values (an additive attention mask such as
+    ``nn.Transformer.generate_square_subsequent_mask`` holds ``-inf``) and pass.
+    """
     for i, t in enumerate(tensors):
-        if (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() and not bool(torch.isfinite(t).all()):
+        if (t.dtype.is_floating_point or t.dtype.is_complex) and t.numel() and bool(torch.isnan(t).any()):
             hint = (
                 " On the first step this usually means the model cannot be cut here: a value computed before the "
                 "cut (by an earlier stage) is used after it without passing through the cut module's inputs. Pass "
                 "that value to the cut module, or choose other `split_points`."
                 if first_step
-                else " The model or its inputs produced NaN/inf (diverged training?)."
+                else " The model or its inputs produced NaN (diverged training?)."
             )
-            raise SplitError(f"{what}: tensor {i} of shape {tuple(t.shape)} holds NaN or inf.{hint}")
+            raise SplitError(f"{what}: tensor {i} of shape {tuple(t.shape)} holds NaN.{hint}")
 
 
 __all__ = ["PartitionError", "SplitError", "StageExit", "StageRunner", "check_finite", "tensor_leaves"]
