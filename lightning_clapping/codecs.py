@@ -330,8 +330,9 @@ class QuantCodec(_BuiltinCodec):
     with probability equal to the fractional position between the two nearest levels, so the decoded value is
     unbiased (up to float32 rounding of that position).
 
-    Payload: ``[float32 scales][codes packed by pack_bits]``; an empty tensor has an empty payload. A scale below
-    about ``1e-37`` (float32 subnormal territory) loses grid resolution; the error then stays below the scale.
+    Payload: ``[float32 scales][codes packed by pack_bits]``; an empty tensor has an empty payload. Tiny and
+    subnormal scales keep the full grid (codes are then computed in float64); decoded values round to float32's
+    subnormal spacing, ``2**-149``.
     """
 
     def __init__(self, bits: int, scale: str = "channel", group_size: int | None = None, stochastic: bool = False):
@@ -420,20 +421,25 @@ class QuantCodec(_BuiltinCodec):
             return torch.ge(flat, 0).view(torch.uint8)
         # A code is floor(x * inv + offset + u), u = 1/2 (round to nearest) or u ~ U[0, 1) (stochastic). The value
         # inside is never negative, so a truncating float->int conversion floors it. int8 converts fastest and holds
-        # codes up to 127, i.e. every width but 8 bits (int16 there).
+        # codes up to 127, i.e. every width but 8 bits (int16 there). Under a subnormal scale (float64 work below) a
+        # float64 value may exceed its float32 scale by half (code < 2.5L + 1): int16 too, then the clamp.
         # Stochastic sign (one bit): P(+) = (x/s + 1)/2, i.e. inv = 1/(2s) and offset 1/2.
         reach, offset = (0.5, 0.5) if self.bits == 1 else (float(self.levels), float(self.levels))
-        inv = torch.where(scales > 0, reach / scales, 0.0)
-        inv = inv.clamp_(max=torch.finfo(torch.float32).max)  # a subnormal scale must not give inf * 0
-        # Round inv up where s * inv falls short of `reach` (checked exactly in float64): x = +-s then lands on the
-        # end codes under any rounding, which keeps constant tensors exact under stochastic rounding too.
-        short = (scales > 0) & (scales.double() * inv.double() < reach)
-        inv = torch.where(short, torch.nextafter(inv, torch.full_like(inv, math.inf)), inv)
+        # inv = reach / s, rounded up where s * inv falls short of `reach` (checked exactly in float64): x = +-s then
+        # lands on the end codes under any rounding, which keeps constant tensors exact under stochastic rounding too.
+        positive, up = scales > 0, torch.tensor(math.inf, device=flat.device)
+        inv = torch.where(positive, reach / scales, 0.0)
+        inv = torch.where(positive & (scales.double() * inv.double() < reach), torch.nextafter(inv, up), inv)
+        work = torch.float32
+        if not bool(torch.isfinite(inv).all()):  # a scale below ~1e-37: its inverse overflows float32, not float64
+            work, inv = torch.float64, torch.where(positive, reach / scales.double(), 0.0)
+            inv = torch.where(positive, torch.nextafter(inv, up.double()), inv)  # up, not checked: codes are clamped
         device = flat.device
-        codes = torch.empty(flat.numel(), dtype=torch.int8 if self.top_code < 127 else torch.int16, device=device)
-        scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=torch.float32, device=device)
+        small = self.top_code < 127 and work == torch.float32
+        codes = torch.empty(flat.numel(), dtype=torch.int8 if small else torch.int16, device=device)
+        scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=work, device=device)
         generator = _seeded(seed, device) if self.stochastic else None
-        rounding = torch.tensor(offset + 0.5, dtype=torch.float32, device=device)
+        rounding = torch.tensor(offset + 0.5, dtype=work, device=device)
         for block in blocks:
             for start, rows, cols, first_row in block.chunks():
                 values = flat[start : start + rows * cols].view(rows, cols)
@@ -447,8 +453,7 @@ class QuantCodec(_BuiltinCodec):
                 else:
                     torch.mul(values, inv_part, out=shifted).add_(offset + 0.5)
                 codes[start : start + rows * cols].view(rows, cols).copy_(shifted)
-        if self.stochastic:  # float rounding can push floor(top + u) to top + 1
-            codes.clamp_(0, self.top_code)
+        codes.clamp_(0, self.top_code)  # float rounding can push floor(top + u) to top + 1
         return codes.view(torch.uint8) if codes.dtype == torch.int8 else codes.to(torch.uint8)
 
     # -- decode --------------------------------------------------------------------------------------------------

@@ -288,6 +288,43 @@ def test_zeros_stay_zeros_through_quantizers_of_two_bits_and_more(spec):
     assert bool((decoded[x == 0] == 0).all())
 
 
+def _tiny_channels(with_normal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Channels (columns) that are zero, subnormal (float32 subnormals start below 1.2e-38) and, optionally, tiny.
+
+    In float64, 1.9e-45 has a float32 scale of 1.4e-45, below the value: its code lies beyond the top one."""
+    gen = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (6, 4), generator=gen, dtype=dtype) * 2.0 - 1.0
+    x = torch.tensor([0.0, 1e-40, -1e-39, 1.9e-45], dtype=dtype).expand(6, 4)
+    x = torch.cat([x, signs * torch.rand(6, 4, generator=gen, dtype=dtype) * torch.tensor([1e-45, 1e-41, 1e-39, 1e-38], dtype=dtype)], 1)
+    if with_normal:
+        x = torch.cat([x, signs[:, :2] * torch.rand(6, 2, generator=gen, dtype=dtype) * torch.tensor([1e-37, 1e-30], dtype=dtype)], 1)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_normal", [False, True])
+@pytest.mark.parametrize("spec", [f"q{b}{scale}{sr}" for b in range(1, 9) for scale in ("", ":tensor", ":group5")
+                                  for sr in ("", ":sr")])
+def test_zero_subnormal_and_tiny_channels_keep_their_sign_and_error_bound(spec, with_normal, dtype):
+    # Below a scale of ~1e-37 the inverse scale overflowed float32 and the codes wrapped: every value came back
+    # with the magnitude of its scale and a negative sign, zeros included.
+    codec = get_codec(spec)
+    x = _tiny_channels(with_normal, dtype)
+    decoded = _round_trip(codec, x, seed=3)
+    assert bool(torch.isfinite(decoded).all())
+    scale = _max_abs_per_value(x, codec)
+    if codec.bits == 1:  # the sign times a scale no larger than the max-abs; q1:sr may flip a sign by design
+        assert bool((decoded.abs() <= scale.float().to(dtype)).all())  # scales are sent as float32
+        assert codec.stochastic or bool((decoded * x >= 0).all())
+    else:
+        step = scale / codec.levels
+        bound = (step if codec.stochastic else step / 2) * (1 + 1e-5) + 2.0**-148
+        assert bool(((decoded - x).abs() <= bound).all()), float(((decoded - x).abs() / bound).max())
+        assert bool((decoded * x >= 0).all()) and bool((decoded[x == 0] == 0).all())
+    if codec.scale == "channel" and dtype == torch.float32:  # constant channels come back exactly, as at any scale
+        assert torch.equal(decoded[:, :4], x[:, :4])
+
+
 @pytest.mark.parametrize("spec", ["topk:0.1", "randk:0.1"])
 def test_sparsifiers_decode_unsent_positions_to_zero(spec):
     x = torch.randn(100, 50) + 10.0  # no input value is zero
