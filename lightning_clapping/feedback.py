@@ -26,6 +26,12 @@ aqsgd             first visit of every sample: FULL; later            C_b(g)
                   C_f(a - m(sample)), one buffer per training sample
 ================  ==================================================  ================================================
 
+AQ-SGD sends a micro-batch FULL when one of its samples is visited for the first time, else compressed. A sample
+counts as visited when it has a buffer row or appears in an earlier micro-batch of the same step (sampling with
+replacement repeats ids): the receiver decides every slot's form when the step starts, before the earlier slots'
+messages have stored their rows, and this rule gives it the sender's answer. A repeat is compressed against the row
+its earlier occurrence left; a sample repeated within one micro-batch keeps the row of its last occurrence.
+
 ``ef21`` and ``clapping-fc`` share one rule; the baseline is the rule run without lazy sampling (every batch
 fresh). The first message of each slot (and any change of shape, e.g. a smaller last batch) is sent FULL when
 ``warm_start`` is on, since an empty buffer makes the first difference as large as the activation.
@@ -135,6 +141,16 @@ class MessageRule:
         mix = (ctx.step * 1_000_003 + self.boundary * 10_007 + slot * 101 + k * 7 + (self.direction == "bwd"))
         return (mix * 2_654_435_761) % (2**31 - 1)
 
+    @staticmethod
+    def _visited(slot: int, ctx: StepContext, rows: dict[int, Tensor]) -> bool:
+        """AQ-SGD: every sample of ``slot`` has one of ``rows``, or an earlier slot of this step gives it one (module
+        docstring). The sender asks after the earlier slots were sent, the receiver when the step starts: same answer."""
+        ids = ctx.sample_ids[slot] if ctx.sample_ids is not None else None
+        if ids is None:
+            return False
+        earlier = {int(i) for other in ctx.sample_ids[:slot] if other is not None for i in other.tolist()}
+        return all(int(i) in rows or int(i) in earlier for i in ids.tolist())
+
     def _should_skip(self, key: tuple[int, int, int], ctx: StepContext) -> bool:
         if self.lazy_threshold is None or ctx.fresh or key not in self.buffers:
             return False
@@ -150,10 +166,7 @@ class MessageRule:
         if self.kind in ("raw", "direct"):
             return (self.kind,)
         if self.kind == "per-sample":
-            # only this slot's own samples decide (other slots of the step touch other samples)
-            ids = ctx.sample_ids[slot] if ctx.sample_ids is not None else None
-            rows = self.store[min(self.store)] if self.store else {}
-            return ("per-sample", ids is not None and all(int(i) in rows for i in ids.tolist()))
+            return ("per-sample", self._visited(slot, ctx, self.store[min(self.store)] if self.store else {}))
         rows = self.key(slot, 0, ctx)[2]
         keys = sorted(k for k in self.buffers if k[0] == slot and k[2] == rows)
         if not keys or (self.reset_on_fresh and ctx.fresh):
@@ -210,8 +223,7 @@ class MessageRule:
     def _encode_per_sample(self, slot, k, t, flags, ctx, seed) -> Part:
         ids = _ids(ctx, slot, t)
         rows = self.store.setdefault(k, {})
-        if not all(int(i) in rows for i in ids.tolist()) or any(rows[int(i)].shape != t.shape[1:] for i in
-                                                                 ids.tolist()):
+        if not self._visited(slot, ctx, rows) or any(rows[int(i)].shape != t.shape[1:] for i in ids.tolist()):
             self._store_rows(rows, ids, t)
             self.stats.full += 1
             return Part(FULL, t.dtype, tuple(t.shape), raw_bytes(t), flags)

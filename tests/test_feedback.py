@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -20,28 +21,80 @@ def _pair(variant, codec, direction="fwd", **kw):
     return (MessageRule(variant, codec, 0, direction, **kw), MessageRule(variant, codec, 0, direction, **kw))
 
 
-def _drive(sender, receiver, steps=12, slots=3, seed=0, p=0.5):
-    """Send a slowly drifting activation per slot through the wire, as a run with lazy sampling would."""
+class Msg(NamedTuple):
+    """One message through a driven pair: the step, the activation sent, what the receiver made of it, the parts on
+    the wire, the form both ends predicted, and both ends' state right after it."""
+
+    ctx: StepContext
+    slot: int
+    act: torch.Tensor
+    values: list
+    parts: list
+    mode: tuple
+    sent: dict
+    received: dict
+
+
+def _inputs(steps=12, slots=3, seed=0, p=0.5, sizes=None, pool=None):
+    """Per step, its context and one activation per micro-batch, as a run with lazy sampling sends them: a fresh
+    batch (probability p) brings new activations and sample ids, a reused one drifts slowly.
+
+    ``sizes(step)`` gives a fresh batch's micro-batch sizes and sets ``ctx.sizes`` (default: 4 rows each, no sizes);
+    ``pool`` draws sample ids with replacement from ``range(pool)``, so they repeat within and across micro-batches.
+    """
     g = torch.Generator().manual_seed(seed)
-    base = [torch.randn(4, 8, generator=g) for _ in range(slots)]
-    ids = [torch.arange(4) + 4 * j for j in range(slots)]
-    mask = torch.ones(4, 1, 8, dtype=torch.bool)
-    history = []
+    out = []
     for step in range(steps):
         fresh = step == 0 or bool(torch.rand((), generator=g) < p)
         if fresh:
-            base = [torch.randn(4, 8, generator=g) for _ in range(slots)]
-            ids = [i + 100 * step for i in ids]
-        ctx = StepContext(step=step, fresh=fresh, sample_ids=ids)
-        expected_modes = [receiver.mode(j, ctx) for j in range(slots)]  # posted when the step starts
-        for j in range(slots):
-            base[j] = base[j] + 0.01 * torch.randn(4, 8, generator=g)
-            act = base[j].clone().requires_grad_(True)
-            assert sender.mode(j, ctx) == expected_modes[j], (step, j)
+            n = sizes(step) if sizes else [4] * slots
+            base = [torch.randn(m, 8, generator=g) for m in n]
+            if pool:
+                ids = [torch.randint(pool, (m,), generator=g) for m in n]
+            else:
+                ids = [torch.arange(m) + 100 * step + 10 * j for j, m in enumerate(n)]
+        base = [b + 0.01 * torch.randn(b.shape, generator=g) for b in base]
+        out.append((StepContext(step=step, fresh=fresh, sample_ids=ids, sizes=n if sizes else None), base))
+    return out
+
+
+_FORM = {"raw": RAW, "direct": CODEC, "full": FULL, "codec": CODEC, "skip": SKIP}
+
+
+def _wire_form(mode):
+    """The wire form of tensor 0 that a predicted mode announces."""
+    return (CODEC if mode[1] else FULL) if mode[0] == "per-sample" else _FORM[mode[0]]
+
+
+def _snapshot(rule):
+    return {k: v.clone() for k, v in rule.state().items()}
+
+
+def _assert_same_state(a, b, where=None):
+    assert a.keys() == b.keys(), where
+    for k in a:  # exact, NaN equal to NaN
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True, msg=f"{where}: {k}")
+
+
+def _run(sender, receiver, inputs):
+    """Send ``inputs`` (see :func:`_inputs`) through the wire; both ends must predict every message's form."""
+    history = []
+    for ctx, acts in inputs:
+        modes = [receiver.mode(j, ctx) for j in range(len(acts))]  # posted when the step starts
+        for j, a in enumerate(acts):
+            assert sender.mode(j, ctx) == modes[j], (ctx.step, j)
+            act = a.clone().requires_grad_(True)
+            mask = torch.ones(a.shape[0], 1, 8, dtype=torch.bool)
             parts = unpack(pack(sender.encode(j, [act, mask], ctx)))
+            if sender.warm_start:  # without it, "full" (no buffer yet) is a compressed difference to zeros
+                assert parts[0].codec == _wire_form(modes[j]), (ctx.step, j, modes[j])
             values = receiver.decode(j, parts, ctx)
-            history.append((step, j, fresh, act.detach(), values, parts))
+            history.append(Msg(ctx, j, act.detach(), values, parts, modes[j], _snapshot(sender), _snapshot(receiver)))
     return history
+
+
+def _drive(sender, receiver, **kw):
+    return _run(sender, receiver, _inputs(**kw))
 
 
 @pytest.mark.parametrize(("variant", "codec"), list(itertools.product(VARIANTS, CODECS)))
@@ -52,47 +105,47 @@ def test_sender_and_receiver_buffers_stay_bit_identical(variant, codec):
     assert s_state.keys() == r_state.keys()
     for k in s_state:
         assert torch.equal(s_state[k], r_state[k]), k
-    for step, j, fresh, act, values, parts in history:
-        assert torch.equal(values[1], torch.ones(4, 1, 8, dtype=torch.bool))  # the mask passes through raw
-        assert parts[1].codec == RAW
+    for m in history:
+        assert torch.equal(m.values[1], torch.ones(4, 1, 8, dtype=torch.bool))  # the mask passes through raw
+        assert m.parts[1].codec == RAW
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_feedback_value_is_the_shared_buffer(codec):
     sender, receiver = _pair("clapping-fc", codec)
-    for step, j, fresh, act, values, parts in _drive(sender, receiver, steps=4):
-        assert torch.equal(values[0], sender.buffers[(j, 0, -1)]) or step < 3  # later steps overwrite the buffer
+    for m in _drive(sender, receiver, steps=4):
+        assert torch.equal(m.values[0], sender.buffers[(m.slot, 0, -1)]) or m.ctx.step < 3  # later steps overwrite
     for j in range(3):
         assert torch.equal(receiver.buffers[(j, 0, -1)], sender.buffers[(j, 0, -1)])
 
 
 def test_clapping_fu_sends_fresh_batches_in_full_precision_and_resets_the_buffers():
     sender, receiver = _pair("clapping-fu", "q2")
-    for step, j, fresh, act, values, parts in _drive(sender, receiver, steps=16):
-        if fresh:
-            assert parts[0].codec == FULL and torch.equal(values[0], act)
+    for m in _drive(sender, receiver, steps=16):
+        if m.ctx.fresh:
+            assert m.parts[0].codec == FULL and torch.equal(m.values[0], m.act)
         else:
-            assert parts[0].codec == CODEC
+            assert m.parts[0].codec == CODEC
 
 
 def test_clapping_fu_with_every_batch_fresh_is_lossless():
     sender, receiver = _pair("clapping-fu", "q1")
-    for *_, act, values, parts in _drive(sender, receiver, steps=6, p=1.0):
-        assert torch.equal(values[0], act)
+    for m in _drive(sender, receiver, steps=6, p=1.0):
+        assert torch.equal(m.values[0], m.act)
 
 
 def test_clapping_fc_is_the_ef21_rule():
     fc = _drive(*_pair("clapping-fc", "q4"), steps=10)
     ef = _drive(*_pair("ef21", "q4"), steps=10)
     for a, b in zip(fc, ef):
-        assert torch.equal(a[4][0], b[4][0])
+        assert torch.equal(a.values[0], b.values[0])
 
 
 def test_first_message_is_full_precision_only_with_warm_start():
     for warm, form in ((True, FULL), (False, CODEC)):
         sender, receiver = _pair("clapping-fc", "q4", warm_start=warm)
         first = _drive(sender, receiver, steps=1)[0]
-        assert first[5][0].codec == form
+        assert first.parts[0].codec == form
 
 
 def test_buffer_of_a_reused_batch_converges_to_the_true_activation():
@@ -125,6 +178,36 @@ def test_aqsgd_sends_first_visits_in_full_and_later_visits_compressed():
     x = torch.randn(4, 8).requires_grad_(True)
     assert sender.encode(0, [x], ctx)[0].codec == FULL
     assert sender.encode(0, [x], StepContext(step=1, fresh=True, sample_ids=[torch.arange(4)]))[0].codec == CODEC
+
+
+def test_aqsgd_ends_agree_when_samples_repeat_within_a_step():
+    # sampling with replacement (WeightedRandomSampler): ids repeat within and across the micro-batches of a step;
+    # _run checks that the receiver, deciding every slot when the step starts, predicts each message's form
+    sender, receiver = _pair("aqsgd", "q4")
+    inputs = _inputs(steps=16, pool=10)
+    tricky, seen = 0, set()  # slots whose only first visits are samples that an earlier slot of the step holds
+    for ctx, _ in inputs:
+        ids = [set(i.tolist()) for i in ctx.sample_ids]
+        tricky += sum(1 for j in range(3) if not ids[j] <= seen and ids[j] <= seen.union(*ids[:j]))
+        seen.update(*ids)
+    assert tricky and any(len(set(i.tolist())) < 4 for ctx, _ in inputs for i in ctx.sample_ids)  # and inside one
+    for m in _run(sender, receiver, inputs):
+        _assert_same_state(m.sent, m.received, (m.ctx.step, m.slot))
+
+
+def test_aqsgd_compresses_a_repeat_against_the_row_its_earlier_occurrence_left():
+    sender, receiver = _pair("aqsgd", "q4")
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    ids = [torch.tensor([0, 1, 2, 3]), torch.tensor([3, 2, 1, 0]), torch.tensor([4, 4, 5, 5])]
+    history = _run(sender, receiver, [(StepContext(step=0, fresh=True, sample_ids=ids), [x, x.flip(0), y])])
+    # all of slot 1's samples appeared in slot 0 (a first visit there): compressed against slot 0's rows, which
+    # hold its values up to fp16 rounding, so only that rounding is left to compress
+    assert [m.parts[0].codec for m in history] == [FULL, CODEC, FULL]
+    rounding = (x.half().float() - x).abs().max()
+    assert 0 < (history[1].values[0] - x.flip(0)).abs().max() <= rounding
+    # within one micro-batch the last occurrence of a sample keeps its row, on both ends
+    for rule in (sender, receiver):
+        assert torch.equal(rule.store[0][4], y[1].half()) and torch.equal(rule.store[0][5], y[3].half())
 
 
 def test_aqsgd_without_sample_ids_says_how_to_get_them():
@@ -166,9 +249,9 @@ def test_lazy_messages_skip_small_differences_at_most_max_skips_in_a_row():
 def test_steady_state_messages_have_the_codecs_exact_size():
     sender, receiver = _pair("clapping-fc", "q4")
     sizes = {}
-    for step, j, fresh, act, values, parts in _drive(sender, receiver, steps=6):
-        if parts[0].codec == CODEC:
-            sizes.setdefault(j, set()).add(len(pack(parts)))
+    for m in _drive(sender, receiver, steps=6):
+        if m.parts[0].codec == CODEC:
+            sizes.setdefault(m.slot, set()).add(len(pack(m.parts)))
     codec = get_codec("q4")
     expected = message_nbytes([((4, 8), codec.payload_nbytes((4, 8), torch.float32)), ((4, 1, 8), 32)])
     assert sizes and all(s == {expected} for s in sizes.values())
