@@ -44,6 +44,8 @@ come and the wire stays predictable; the skipped change is not lost, it is part 
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,7 @@ from lightning_clapping.channel import FLAG_REQUIRES_GRAD, Part, from_raw_bytes,
 from lightning_clapping.codecs import Codec, NonFiniteError, get_codec
 
 RAW, CODEC, FULL, SKIP = 0, 1, 2, 3
+_BUFFER_NAME = re.compile(r"slot(\d+)\.t(\d+)\.rows(-?\d+)(?:\.(last_rel|skips))?")  # see MessageRule.state
 VARIANTS = ("uncompressed", "direct", "ef21", "aqsgd", "clapping-fc", "clapping-fu")
 
 
@@ -299,25 +302,43 @@ class MessageRule:
         return total
 
     def state(self) -> dict[str, Tensor]:
-        """Every buffer by a stable name (for checks that both ends agree)."""
-        out = {f"slot{s}.t{k}.rows{r}": b for (s, k, r), b in self.buffers.items()}
+        """What both ends keep, as a flat ``str -> Tensor`` dict (for checkpoints and for checks that both ends agree).
+
+        ``slot{s}.t{k}.rows{r}``: a buffer; ``t{k}.sample{i}``: an AQ-SGD row. With lazy messages on, each buffer's
+        trigger too: ``<buffer>.last_rel`` (float64, NaN before the first compressed difference) and
+        ``<buffer>.skips`` (int64), so a resumed run skips exactly as an uninterrupted one.
+        """
+        out = {}
+        for (s, k, r), b in self.buffers.items():
+            out[f"slot{s}.t{k}.rows{r}"] = b
+            if self.lazy_threshold is not None:
+                rel = self._last_rel.get((s, k, r))
+                out[f"slot{s}.t{k}.rows{r}.last_rel"] = torch.tensor(math.nan if rel is None else rel,
+                                                                     dtype=torch.float64, device=b.device)
+                out[f"slot{s}.t{k}.rows{r}.skips"] = torch.tensor(self._skips.get((s, k, r), 0), device=b.device)
         for k, rows in self.store.items():
             out.update({f"t{k}.sample{i}": r for i, r in rows.items()})
         return out
 
     def load_state(self, state: dict[str, Tensor], device: torch.device) -> None:
-        """Restore the buffers saved by :meth:`state` (exact resume of a compressed run)."""
+        """Restore what :meth:`state` saved (exact resume of a compressed run, lazy-message decisions included)."""
         self.buffers.clear()
         self.store.clear()
+        triggers = []
         for name, value in state.items():
-            value = value.to(device)
-            if name.startswith("slot"):
-                slot, rest = name[4:].split(".t")
-                k, rows = rest.split(".rows")
-                self._set((int(slot), int(k), int(rows)), value.clone())
-            else:
+            match = _BUFFER_NAME.fullmatch(name)
+            if match is None:
                 k, sample = name[1:].split(".sample")
-                self.store.setdefault(int(k), {})[int(sample)] = value.clone()
+                self.store.setdefault(int(k), {})[int(sample)] = value.to(device).clone()
+            elif match[4] is None:
+                self._set((int(match[1]), int(match[2]), int(match[3])), value.to(device).clone())
+            else:
+                triggers.append(((int(match[1]), int(match[2]), int(match[3])), match[4], value.item()))
+        for key, what, value in triggers:  # after the buffers: _set resets them
+            if what == "skips":
+                self._skips[key] = int(value)
+            else:
+                self._last_rel[key] = None if math.isnan(value) else value
 
     def take_stats(self) -> RuleStats:
         stats, self.stats = self.stats, RuleStats()
