@@ -98,26 +98,58 @@ def _drive(sender, receiver, **kw):
     return _run(sender, receiver, _inputs(**kw))
 
 
+SCENARIOS = {
+    "plain": {},
+    # a smaller last micro-batch, and now and then a smaller batch (the end of an epoch): buffers keyed per size
+    "sizes": {"sizes": lambda step: [3, 3, 2] if step % 4 == 3 else [4, 4, 2]},
+    # ids drawn with replacement: repeats within and across the micro-batches of a step
+    "repeats": {"pool": 10},
+}
+
+
+def _name(m):
+    """The state() name of the buffer that tensor 0 of message ``m`` uses."""
+    return f"slot{m.slot}.t0.rows{m.ctx.sizes[m.slot] if m.ctx.sizes else -1}"
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize(("variant", "codec"), list(itertools.product(VARIANTS, CODECS)))
-def test_sender_and_receiver_buffers_stay_bit_identical(variant, codec):
-    sender, receiver = _pair(variant, codec)
-    history = _drive(sender, receiver)
-    s_state, r_state = sender.state(), receiver.state()
-    assert s_state.keys() == r_state.keys()
-    for k in s_state:
-        assert torch.equal(s_state[k], r_state[k]), k
-    for m in history:
-        assert torch.equal(m.values[1], torch.ones(4, 1, 8, dtype=torch.bool))  # the mask passes through raw
-        assert m.parts[1].codec == RAW
+def test_sender_and_receiver_buffers_stay_bit_identical(variant, codec, scenario):
+    sender, receiver = _pair(variant, codec, lazy_threshold=0.05)
+    history = _drive(sender, receiver, **SCENARIOS[scenario])
+    assert len({m.ctx.step for m in history if m.ctx.fresh}) > 2
+    for m in history:  # after every message, not only at the end
+        _assert_same_state(m.sent, m.received, (m.ctx.step, m.slot))
+        assert m.parts[1].codec == RAW  # the mask passes through raw
+        assert torch.equal(m.values[1], torch.ones(len(m.act), 1, 8, dtype=torch.bool))
+    if variant != "direct":
+        assert history[-1].sent  # there is state to compare
 
 
+@pytest.mark.parametrize("scenario", ["plain", "sizes"])
 @pytest.mark.parametrize("codec", CODECS)
-def test_feedback_value_is_the_shared_buffer(codec):
+def test_feedback_value_is_the_shared_buffer(codec, scenario):
     sender, receiver = _pair("clapping-fc", codec)
-    for m in _drive(sender, receiver, steps=4):
-        assert torch.equal(m.values[0], sender.buffers[(m.slot, 0, -1)]) or m.ctx.step < 3  # later steps overwrite
-    for j in range(3):
-        assert torch.equal(receiver.buffers[(j, 0, -1)], sender.buffers[(j, 0, -1)])
+    used = set()
+    for m in _drive(sender, receiver, steps=8, **SCENARIOS[scenario]):  # each message, as it arrives
+        assert torch.equal(m.values[0], m.received[_name(m)]) and torch.equal(m.values[0], m.sent[_name(m)])
+        assert m.parts[0].codec == (CODEC if _name(m) in used else FULL)  # a new buffer starts in full precision
+        used.add(_name(m))
+    assert scenario == "plain" or any("rows3" in name for name in used)
+
+
+def test_a_smaller_batch_gets_buffers_of_its_own_and_leaves_the_full_size_ones():
+    sender, receiver = _pair("clapping-fc", "q4")
+    inputs = _inputs(steps=5, p=1.0, sizes=lambda step: [3, 3, 3] if step == 2 else [4, 4, 2])
+    history = _run(sender, receiver, inputs)
+    forms = [[m.parts[0].codec for m in history if m.ctx.step == step] for step in range(5)]
+    # new sizes start in full precision (warm start); back at [4, 4, 2] the buffers of step 1 carry on
+    assert forms == [[FULL] * 3, [CODEC] * 3, [FULL] * 3, [CODEC] * 3, [CODEC] * 3]
+    q4 = get_codec("q4")
+    for before, after in zip(history[3:6], history[9:12]):  # step 3 compresses against what step 1 left
+        seed = sender.seed(after.ctx, after.slot, 0)
+        assert torch.equal(after.parts[0].payload, q4.encode(after.act - before.values[0], seed=seed))
+    assert sorted(k for k in receiver.state() if k.startswith("slot2")) == ["slot2.t0.rows2", "slot2.t0.rows3"]
 
 
 def test_clapping_fu_sends_fresh_batches_in_full_precision_and_resets_the_buffers():
@@ -135,11 +167,35 @@ def test_clapping_fu_with_every_batch_fresh_is_lossless():
         assert torch.equal(m.values[0], m.act)
 
 
-def test_clapping_fc_is_the_ef21_rule():
-    fc = _drive(*_pair("clapping-fc", "q4"), steps=10)
-    ef = _drive(*_pair("ef21", "q4"), steps=10)
-    for a, b in zip(fc, ef):
-        assert torch.equal(a.values[0], b.values[0])
+@pytest.mark.parametrize("codec", ["q4", "q2:group16:sr", "randk:0.3"])
+@pytest.mark.parametrize("variant", ["ef21", "clapping-fc"])
+def test_feedback_sends_the_codec_of_the_difference_to_a_buffer_both_ends_move_by_the_decoded_value(variant, codec):
+    # by hand: A = the first activation (warm start, FULL); then the payload is C(a - A), and A += decode(payload),
+    # fresh batch or not (ef21 and clapping-fc are this one rule; lazy sampling is what makes FC's batches repeat)
+    sender, receiver = _pair(variant, codec)
+    c, A = get_codec(codec), {}
+    history = _drive(sender, receiver, steps=8)
+    for m in history:
+        if m.slot not in A:
+            assert m.parts[0].codec == FULL and torch.equal(m.values[0], m.act)
+            A[m.slot] = m.act.clone()
+            continue
+        seed = sender.seed(m.ctx, m.slot, 0)
+        payload = c.encode(m.act - A[m.slot], seed=seed)
+        assert m.parts[0].codec == CODEC and torch.equal(m.parts[0].payload, payload)
+        A[m.slot] = A[m.slot] + c.decode(payload, m.act.shape, m.act.dtype, seed=seed)
+        assert torch.equal(m.values[0], A[m.slot])
+    assert any(m.ctx.fresh for m in history[3:]) and not all(m.ctx.fresh for m in history)
+
+
+def test_on_a_fresh_batch_fc_compresses_against_the_old_buffer_where_fu_resets_it():
+    inputs = _inputs(steps=10)
+    fc, fu = _run(*_pair("clapping-fc", "q2"), inputs), _run(*_pair("clapping-fu", "q2"), inputs)
+    fresh_later = [(a, b) for a, b in zip(fc, fu) if a.ctx.fresh and a.ctx.step > 0]
+    assert fresh_later
+    for a, b in fresh_later:
+        assert (a.parts[0].codec, b.parts[0].codec) == (CODEC, FULL)
+        assert torch.equal(b.values[0], b.act) and not torch.equal(a.values[0], a.act)
 
 
 def test_first_message_is_full_precision_only_with_warm_start():
