@@ -95,14 +95,28 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
     assert agg["clapping-fc p=0.5 moderate"]["bytes_ratio"] > 1.0
 
 
-def test_report_only_rebuilds_the_report(tiny, tmp_path):
+def test_report_only_rebuilds_the_report_from_the_recorded_runs(tiny, tmp_path):
     out, _, result = tiny
-    (tmp_path / "quality_runs.jsonl").write_text((out / "quality_runs.jsonl").read_text())
+    records = [json.loads(line) for line in (out / "quality_runs.jsonl").read_text().splitlines() if line.strip()]
+    assert len(records) == len(result["runs"])
+    # edit the records: the report must follow them, not reproduce the first one
+    for r in records:
+        if r["variant"] != "uncompressed":
+            r["final_metric"] += 1.0
+            r["total_bytes"] *= 2
+    (tmp_path / "quality_runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--report-only", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    again = json.loads((tmp_path / "quality.json").read_text())
-    assert [a["metric_mean"] for a in again["aggregates"]] == [a["metric_mean"] for a in result["aggregates"]]
+    again = {(a["task"], a["label"]): a for a in json.loads((tmp_path / "quality.json").read_text())["aggregates"]}
+    before = {(a["task"], a["label"]): a for a in result["aggregates"]}
+    assert again.keys() == before.keys()
+    for key, a in before.items():
+        edited = a["variant"] != "uncompressed"
+        assert again[key]["metric_mean"] == pytest.approx(a["metric_mean"] + (1.0 if edited else 0.0))
+        assert again[key]["bytes_ratio"] == pytest.approx(a["bytes_ratio"] / (2 if edited else 1))
+        runs = [r for r in records if (r["task"], r["label"]) == key]
+        assert again[key]["metric_mean"] == pytest.approx(sum(r["final_metric"] for r in runs) / len(runs))
 
 
 def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_seeds():

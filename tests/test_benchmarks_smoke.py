@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,11 +24,31 @@ def _run(script: str, out: Path, timeout: float = 300) -> subprocess.CompletedPr
 
 
 def test_codec_speed_benchmark_runs_and_reports_ratios_to_memory_copy(tmp_path):
-    _run("codec_speed.py", tmp_path)
-    rows = json.loads((tmp_path / "codec_speed.json").read_text())
-    text = json.dumps(rows)
-    assert "q4" in text and "copy" in text
-    assert (tmp_path / "codec_speed.csv").exists()
+    import torch
+
+    from lightning_clapping.codecs import get_codec
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import codec_speed
+
+    proc = _run("codec_speed.py", tmp_path)
+    rows = json.loads((tmp_path / "codec_speed.json").read_text())["rows"]
+    assert [r["codec"] for r in rows] == codec_speed.CODECS  # --tiny: one shape, 64 x 64
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    for r in rows:
+        codec = get_codec(r["codec"])
+        assert (r["shape"], r["values"]) == ("64x64", 4096)
+        assert r["payload_bytes"] == codec.payload_nbytes(x.shape, x.dtype)
+        assert r["compression_vs_fp32"] == pytest.approx(4 * 4096 / r["payload_bytes"])
+        error = float((codec.decode(codec.encode(x), x.shape, x.dtype) - x).norm() / x.norm())
+        assert r["relative_error"] == pytest.approx(error, rel=1e-6, abs=1e-12)
+        assert min(r["copy_ms"], r["encode_ms"], r["decode_ms"], r["decode_into_ms"]) > 0
+        assert r["ratio_to_copy"] == pytest.approx(r["copy_ms"] / r["encode_decode_ms"])
+        assert r["encode_decode_gbps"] == pytest.approx(4 * 4096 / r["encode_decode_ms"] / 1e6)
+    q4 = next(r for r in rows if r["codec"] == "q4")
+    assert f"encode+decode at {q4['ratio_to_copy']:.2f} of memory-copy" in proc.stdout
+    with open(tmp_path / "codec_speed.csv") as f:
+        assert [row["codec"] for row in csv.DictReader(f)] == codec_speed.CODECS
 
 
 def test_overhead_benchmark_runs_all_three_methods(tmp_path):
@@ -45,6 +67,13 @@ def test_lazy_messages_benchmark_compares_thresholds_with_the_trigger_off(tmp_pa
         pytest.skip(missing_reason("shakespeare"))
     _run("lazy_messages.py", tmp_path)
     summary = json.loads((tmp_path / "lazy_messages.json").read_text())
-    thresholds = [r["threshold"] for r in summary["runs"]]
-    assert thresholds[0] is None and len(thresholds) == 4
-    assert summary["runs"][0]["bytes_saved_vs_off"] == 0
+    off, *lazy = summary["runs"]
+    assert [r["threshold"] for r in summary["runs"]] == [None, 0.01, 0.03, 0.1]
+    assert off["skipped_messages"] == 0 and off["bytes"] > 0 and math.isfinite(off["val_loss"])
+    for r in lazy:  # each threshold against the run without lazy messages (same seed and steps)
+        assert r["bytes_saved_vs_off"] == pytest.approx(1 - r["bytes"] / off["bytes"])
+        assert r["val_loss_change_vs_off"] == pytest.approx(r["val_loss"] - off["val_loss"])
+        if r["skipped_messages"]:  # a skipped message sends nothing
+            assert r["bytes"] < off["bytes"]
+        else:  # nothing skipped: the very same run
+            assert (r["bytes"], r["val_loss"]) == (off["bytes"], off["val_loss"])
