@@ -16,14 +16,20 @@ receiver to know a message's size in advance: both ends remember the size of the
 sender keeps to it. When the size changes anyway (the first message, a smaller last batch) the sender first sends
 a *resize* message of the expected size that announces the new one, then the message itself under a second tag;
 each slot has its own tags, so a resize never disturbs the other slots.
+
+The receiver trusts nothing it reads: every header field is checked (and every announced size bounded) before it is
+used, and a malformed message raises :class:`WireError` naming the message (e.g. "boundary 1, backward,
+micro-batch 3"), never another exception, an allocation of the announced size or a receive that aborts gloo.
 """
 
 from __future__ import annotations
 
+import math
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,6 +43,10 @@ _PART = struct.Struct("<BBBBIQ")  # codec, dtype, ndim, flags, reserved, payload
 _DIM = struct.Struct("<q")
 HEADER_BYTES = _HEAD.size
 FLAG_REQUIRES_GRAD = 1
+KNOWN_FLAGS = FLAG_REQUIRES_GRAD
+MAX_NDIM = 16
+#: default cap on the size a resize message may announce (``PeerChannel(max_message_bytes=...)`` overrides it)
+MAX_MESSAGE_BYTES = 4 << 30
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
@@ -50,6 +60,10 @@ DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 class WireError(RuntimeError):
     """A message did not have the expected layout: the two ends disagree about the protocol."""
+
+
+def _fail(what: str, where: str | None) -> NoReturn:
+    raise WireError(f"{where}: {what}" if where else what)
 
 
 def _align(n: int) -> int:
@@ -116,39 +130,78 @@ def resize_message(announced: int, length: int, device: torch.device) -> torch.T
     return msg
 
 
-def read_header(msg: torch.Tensor) -> tuple[int, int, int]:
-    """(kind, number of parts, total length) of a message."""
-    raw = msg[:HEADER_BYTES].cpu().numpy().tobytes()
-    magic, version, kind, nparts, _, total = _HEAD.unpack(raw)
+def read_header(msg: torch.Tensor, where: str | None = None) -> tuple[int, int, int]:
+    """(kind, number of parts, total length) of a message; ``where`` names the message in errors."""
+    if not isinstance(msg, torch.Tensor) or msg.dtype != torch.uint8 or msg.dim() != 1:
+        _fail(f"a message is a 1-D torch.uint8 tensor, got {getattr(msg, 'dtype', type(msg).__name__)}", where)
+    if msg.numel() < HEADER_BYTES:
+        _fail(f"message of {msg.numel()} bytes is shorter than the {HEADER_BYTES}-byte header", where)
+    magic, version, kind, nparts, reserved, total = _HEAD.unpack(msg[:HEADER_BYTES].cpu().numpy().tobytes())
     if magic != MAGIC or version != VERSION:
-        raise WireError(f"not a lightning-clapping message (magic {magic!r}, version {version})")
+        _fail(f"not a lightning-clapping message (magic {magic!r}, version {version})", where)
+    if kind not in (KIND_DATA, KIND_RESIZE) or reserved:
+        _fail(f"unknown message kind {kind} or reserved field {reserved} (not 0)", where)
     return kind, nparts, total
 
 
-def unpack(msg: torch.Tensor) -> list[Part]:
-    """The parts of a data message; payloads are views into ``msg``."""
-    kind, nparts, total = read_header(msg)
+def _descriptor(raw: bytes, pos: int, known_codecs: Container[int] | None) -> tuple | str:
+    """The part descriptor at ``pos``: (codec, dtype, shape, flags, payload bytes, end), or what is wrong with it."""
+    if pos + _PART.size > len(raw):
+        return "descriptor runs past the end of the message"
+    codec, dcode, ndim, flags, reserved, nbytes = _PART.unpack_from(raw, pos)
+    end = pos + _PART.size + _DIM.size * ndim
+    if dcode >= len(_DTYPES):
+        return f"unknown dtype code {dcode}"
+    if ndim > MAX_NDIM:
+        return f"{ndim} dimensions (at most {MAX_NDIM})"
+    if end > len(raw):
+        return f"its {ndim} dimensions run past the end of the message"
+    if flags & ~KNOWN_FLAGS:
+        return f"unknown flags {flags:#x}"
+    if reserved:
+        return f"reserved field is {reserved}, not 0"
+    if known_codecs is not None and codec not in known_codecs:
+        return f"unknown codec id {codec}"
+    shape = struct.unpack_from(f"<{ndim}q", raw, pos + _PART.size)
+    if min(shape, default=0) < 0 or math.prod(shape) >= 1 << 63:
+        return f"bad shape {shape} (negative dimension or too many elements)"
+    return codec, _DTYPES[dcode], shape, flags, nbytes, end
+
+
+def unpack(msg: torch.Tensor, *, known_codecs: Container[int] | None = None, expected_parts: int | None = None,
+           where: str | None = None) -> list[Part]:
+    """The parts of a data message; payloads are views into ``msg``.
+
+    Raises :class:`WireError` (naming ``where``) for anything but a well-formed data message: ``known_codecs`` are
+    the codec ids the receiver understands, ``expected_parts`` the number of tensors it expects (None: any).
+    """
+    kind, nparts, total = read_header(msg, where)
     if kind != KIND_DATA:
-        raise WireError(f"expected a data message, got kind {kind}")
+        _fail(f"expected a data message, got kind {kind}", where)
     if total != msg.numel():
-        raise WireError(f"message says {total} bytes but {msg.numel()} arrived")
-    # descriptors are variable-length; read enough of the head to parse them
-    raw = msg[: min(msg.numel(), HEADER_BYTES + nparts * (_PART.size + 8 * 16))].cpu().numpy().tobytes()
+        _fail(f"message says {total} bytes but {msg.numel()} arrived", where)
+    if expected_parts is not None and nparts != expected_parts:
+        _fail(f"message has {nparts} parts, expected {expected_parts}", where)
+    # descriptors are variable-length; read enough of the head to parse them (never past the message)
+    raw = msg[: min(total, HEADER_BYTES + nparts * (_PART.size + _DIM.size * MAX_NDIM))].cpu().numpy().tobytes()
     pos = HEADER_BYTES
     descs = []
-    for _ in range(nparts):
-        codec, dcode, ndim, flags, _, nbytes = _PART.unpack_from(raw, pos)
-        pos += _PART.size
-        shape = tuple(_DIM.unpack_from(raw, pos + 8 * i)[0] for i in range(ndim))
-        pos += 8 * ndim
-        descs.append((codec, _DTYPES[dcode], shape, flags, nbytes))
+    for i in range(nparts):
+        desc = _descriptor(raw, pos, known_codecs)
+        if isinstance(desc, str):
+            _fail(f"part {i} of {nparts}: {desc}", where)
+        descs.append(desc[:5])
+        pos = desc[5]
     off = _align(pos)
     parts = []
-    for codec, dtype, shape, flags, nbytes in descs:
+    for i, (codec, dtype, shape, flags, nbytes) in enumerate(descs):
+        if off + nbytes > total:
+            _fail(f"part {i} of {nparts}: payload of {nbytes} bytes at byte {off} runs past the {total}-byte message",
+                  where)
         parts.append(Part(codec, dtype, shape, msg[off : off + nbytes], flags))
         off += _align(nbytes)
     if off != total:
-        raise WireError(f"message parts end at byte {off}, header says {total}")
+        _fail(f"message parts end at byte {off}, header says {total}", where)
     return parts
 
 
@@ -167,7 +220,12 @@ class PeerChannel:
         group: dist.ProcessGroup | None = None,
         prepost: bool = True,
         timeout: timedelta | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
+        cap = MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < HEADER_BYTES:
+            raise ValueError(f"max_message_bytes must be an int >= {HEADER_BYTES}, got {cap!r}")
+        self.max_message_bytes = cap
         self.peer = peer
         self.purpose = purpose
         self.device = device
@@ -190,6 +248,9 @@ class PeerChannel:
         self.messages_sent += 1
 
     def send(self, slot: int, msg: torch.Tensor, mode: Any = None) -> None:
+        if msg.numel() > self.max_message_bytes:  # the receiver would refuse it; fail here rather than hang there
+            raise WireError(f"slot {slot} to rank {self.peer}: message of {msg.numel()} bytes exceeds "
+                            f"max_message_bytes={self.max_message_bytes}")
         expected = self._expected.get((slot, mode), HEADER_BYTES)
         if msg.numel() == expected:
             self._isend(msg, self._tag(slot, False))
@@ -212,12 +273,18 @@ class PeerChannel:
         work = dist.irecv(buf, src=self.peer, group=self.group, tag=self._tag(slot, False))
         self._posted[slot] = (work, buf, mode)
 
-    def recv(self, slot: int, mode: Any = None) -> torch.Tensor:
+    def recv(self, slot: int, mode: Any = None, where: str | None = None) -> torch.Tensor:
+        """``slot``'s next message; ``where`` names it in errors (default: the slot and the peer's rank)."""
         self.post(slot, mode)
         work, buf, mode = self._posted.pop(slot)
         self._wait(work)
-        kind, _, total = read_header(buf)
+        where = where or f"slot {slot} from rank {self.peer}"
+        kind, nparts, total = read_header(buf, where)
         if kind == KIND_RESIZE:
+            # checked before anything is allocated or received: a short buffer would abort gloo, a huge one the host
+            if nparts or total < HEADER_BYTES or total % 8 or total > self.max_message_bytes:
+                _fail(f"resize message announces {total} bytes ({nparts} parts); a message has a multiple of 8 "
+                      f"bytes in [{HEADER_BYTES}, max_message_bytes={self.max_message_bytes}]", where)
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             self._wait(dist.irecv(buf, src=self.peer, group=self.group, tag=self._tag(slot, True)))
             self._expected[(slot, mode)] = total

@@ -231,8 +231,13 @@ class PipelineExecutor:
         setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
 
     def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext) -> list[tuple[Tensor, int]]:
+        from lightning_clapping.feedback import CODEC, FULL, RAW, SKIP  # the wire forms (codec ids) a rule decodes
+
         rule = self.rules[rule_name]
-        parts = unpack(chan.recv(j, self._mode(rule_name, j, ctx)))
+        where = (f"boundary {rule.boundary}, {'backward' if rule.direction == 'bwd' else 'forward'}"
+                 f"{' (evaluation)' if rule_name == 'eval_in' else ''}, micro-batch {j}, from rank {chan.peer}")
+        msg = chan.recv(j, self._mode(rule_name, j, ctx), where)
+        parts = unpack(msg, known_codecs=(RAW, CODEC, FULL, SKIP), where=where)
         return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
 
     def _flush(self) -> None:
