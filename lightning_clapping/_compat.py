@@ -20,8 +20,17 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers 
 from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
+from torch.distributed.checkpoint.default_planner import (  # noqa: F401
+    _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict  # noqa: F401
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 
+
+
+def accelerator_connector(trainer):
+    """The trainer's private ``_accelerator_connector``, whose ``use_distributed_sampler`` the data connector reads."""
+    return trainer._accelerator_connector
 
 
 def set_metric_step_value(metric, value) -> None:
@@ -30,6 +39,9 @@ def set_metric_step_value(metric, value) -> None:
 
 
 __all__ = [
+    "EmptyStateDictLoadPlanner",
+    "accelerator_connector",
+    "dcp_load_state_dict",
     "set_metric_step_value",
     "SubprocessScriptLauncher",
     "all_gather_if_available",

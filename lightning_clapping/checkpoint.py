@@ -1,43 +1,86 @@
-"""Whole-model checkpoints from a partitioned model.
+"""Saving and loading a partitioned model: one full file, or one shard per stage.
 
-Each rank holds its own stage's tensors. For saving, the state (model and optimizer) is gathered to global rank 0,
-which writes one ordinary Lightning checkpoint: the full ``state_dict`` under the model's own parameter names, which
-``MyModule.load_from_checkpoint(path)`` loads in a single process without this package. For loading, every rank
-keeps only the entries of its own stage.
+Each rank holds only its own stage's tensors. Two layouts, as ``FSDPStrategy`` has them:
+
+* ``"full"``: the tensors are gathered to global rank 0 (tensor by tensor over point-to-point messages; only a
+  small description of their names and shapes is pickled), which writes one ordinary Lightning checkpoint. Its
+  ``state_dict`` uses the model's own parameter names and loads with ``MyModule.load_from_checkpoint(path)`` in a
+  single process without this package. Rank 0 needs memory for the whole model while it saves.
+* ``"sharded"``: every rank writes its own tensors, in parallel, with ``torch.distributed.checkpoint`` into a
+  folder laid out like Lightning's FSDP sharded checkpoints: the model under ``"model"``, optimizers under
+  ``"optimizer_0"``, ``"optimizer_1"``, ... keyed by parameter name, the error-feedback buffers under
+  ``"clapping_feedback"``, and ``meta.pt`` with the rest (loops, callbacks, schedulers, the lazy sampler). Lightning's
+  ``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` turns it into one full file. On loading,
+  each rank reads only its own tensors, by name, so a checkpoint resumes on any number of stages.
 
 Every rank builds its optimizer over *all* of the module's parameters (other stages' parameters sit on the meta
 device and never get a gradient, so optimizers skip them). Optimizer state is therefore indexed by the same global
-parameter positions on every rank, and the per-rank states combine into exactly the state a single process would
-have, independent of how the model was cut.
+parameter positions on every rank; ``"full"`` files keep those positions (as a single-process run writes them),
+sharded folders use parameter names.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch import Tensor
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_clapping._compat import EmptyStateDictLoadPlanner, dcp_load_state_dict, tree_flatten, tree_unflatten
 
-def _cpu(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
+STATE_DICT_TYPES = ("full", "sharded")
 
 
-def gather_to_zero(local: Any, world_size: int) -> list[Any] | None:
-    """All ranks' ``local`` objects on rank 0 (in rank order), ``None`` elsewhere."""
-    if world_size == 1 or not dist.is_initialized():
-        return [local]
-    rank = dist.get_rank()
-    out: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(_cpu(local), out, dst=0)
-    return out
+def is_sharded_checkpoint(path: Any) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------- gather
+def gather_to_zero(local: Any, device: torch.device) -> list[Any] | None:
+    """Every rank's ``local`` object on rank 0 (rank order, tensors on the CPU); ``None`` on the other ranks.
+
+    Only the structure (names, shapes, dtypes, plain values) is pickled; each tensor travels as itself.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [_to_cpu(local)]
+    leaves, spec = tree_flatten(local)
+    tensors = [x for x in leaves if isinstance(x, Tensor)]
+    outline = tree_unflatten([x.to("meta") if isinstance(x, Tensor) else x for x in leaves], spec)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outlines: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(outline, outlines, dst=0)
+    if rank != 0:
+        works = [dist.isend(t.detach().to(device).contiguous(), dst=0, tag=i) for i, t in enumerate(tensors)]
+        for w in works:
+            w.wait()
+        return None
+    assert outlines is not None
+    parts: list[Any] = [_to_cpu(local)]
+    for src in range(1, world):
+        leaves, spec = tree_flatten(outlines[src])
+        received, works = [], []
+        for x in leaves:
+            if isinstance(x, Tensor):
+                buf = torch.empty(x.shape, dtype=x.dtype, device=device)
+                works.append(dist.irecv(buf, src=src, tag=len(works)))
+                received.append(buf)
+            else:
+                received.append(x)
+        for w in works:
+            w.wait()
+        parts.append(tree_unflatten([_to_cpu(x) for x in received], spec))
+    return parts
+
+
+def _to_cpu(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([x.detach().cpu() if isinstance(x, Tensor) else x for x in leaves], spec)
 
 
 def merge_model_states(parts: list[dict[str, Tensor]], order: list[str]) -> dict[str, Tensor]:
@@ -51,6 +94,33 @@ def merge_model_states(parts: list[dict[str, Tensor]], order: list[str]) -> dict
     return {k: merged[k] for k in order}
 
 
+# ------------------------------------------------------------------------------------------------ optimizer state
+def param_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
+    """The qualified name of each of the optimizer's parameters, in its ``state_dict`` positions."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    names = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise ValueError("the optimizer holds a parameter that is not part of the LightningModule")
+            names.append(name_of[id(p)])
+    return names
+
+
+def owned_indices(optimizer: Optimizer) -> set[int]:
+    """Positions (as in ``optimizer.state_dict()``) of the parameters materialized on this rank."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i for i, p in enumerate(params) if not p.is_meta}
+
+
+def local_optimizer_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` (by position) restricted to the parameters this rank holds."""
+    keep = owned_indices(optimizer)
+    local = dict(state_dict)
+    local["state"] = {k: v for k, v in state_dict.get("state", {}).items() if int(k) in keep}
+    return local
+
+
 def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
     state: dict[int, Any] = {}
     for part in parts:
@@ -60,28 +130,85 @@ def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def owned_indices(optimizer: Optimizer) -> set[int]:
-    """Positions (as in ``optimizer.state_dict()``) of the parameters materialized on this rank."""
-    out, i = set(), 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.device.type != "meta":
-                out.add(i)
-            i += 1
+def state_by_name(state_dict: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by position, re-keyed by parameter name (the sharded layout)."""
+    return {
+        "state": {names[int(i)]: v for i, v in state_dict.get("state", {}).items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state_dict["param_groups"]],
+    }
+
+
+def state_by_position(state_dict: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`state_by_name`; a state dict already keyed by position is returned as it is."""
+    groups = state_dict.get("param_groups", [])
+    if not any(isinstance(p, str) for g in groups for p in g["params"]):
+        return state_dict
+    index = {n: i for i, n in enumerate(names)}
+    unknown = [p for g in groups for p in g["params"] if p not in index]
+    if unknown:
+        raise KeyError(f"the checkpoint's optimizer holds parameters the model does not have, e.g. {unknown[:3]}")
+    return {
+        "state": {index[n]: v for n, v in state_dict.get("state", {}).items() if n in index},
+        "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ sharded folders
+def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any] | None) -> None:
+    """Collective: every rank writes its ``tensors`` (nested dicts); ``meta`` (rank 0's) goes to ``meta.pt``."""
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=path)
+    if meta is not None:
+        torch.save(meta, path / META_FILE)
+
+
+def saved_model_keys(path: Path) -> set[str]:
+    """The parameter and buffer names a sharded checkpoint holds (read from its metadata, no tensor loaded)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {p[1] for p in (metadata.planner_data or {}).values() if len(p) == 2 and p[0] == "model"}
+
+
+def load_sharded_model(path: Path, own: dict[str, Tensor]) -> None:
+    """Collective: read this rank's tensors (``own``: name -> the module's tensor) in place."""
+    dcp.load({"model": own}, checkpoint_id=path)
+
+
+def load_sharded_entries(path: Path, prefixes: list[str]) -> dict[str, Any]:
+    """Read the entries under the given dotted prefixes (e.g. ``optimizer_0.state.net.0.weight``), on this rank
+    alone. (The public ``dcp.load`` fills only keys its argument already has; these entries need no template.)"""
+    out: dict[str, Any] = {}
+    dcp_load_state_dict(out, storage_reader=dcp.FileSystemReader(str(path)),
+                        planner=EmptyStateDictLoadPlanner(keys=set(prefixes)), no_dist=True)
     return out
 
 
-def local_optimizer_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    keep = owned_indices(optimizer)
-    local = dict(state_dict)
-    local["state"] = {k: v for k, v in state_dict.get("state", {}).items() if int(k) in keep}
-    return local
+def check_model_keys(saved: set[str], expected: list[str], where: Path) -> None:
+    missing = [k for k in expected if k not in saved]
+    unexpected = sorted(saved - set(expected))
+    if missing or unexpected:
+        raise KeyError(
+            f"the sharded checkpoint {str(where)!r} does not match the model: missing {len(missing)} keys "
+            f"(first: {missing[:3]}), unexpected {len(unexpected)} keys (first: {unexpected[:3]}). Was it saved from "
+            "another model, or did parameter names change? Set `self.strict_loading = False` in the LightningModule "
+            "to load the entries that match."
+        )
 
 
 __all__ = [
+    "META_FILE",
+    "STATE_DICT_TYPES",
+    "check_model_keys",
     "gather_to_zero",
+    "is_sharded_checkpoint",
+    "load_sharded_entries",
+    "load_sharded_model",
     "local_optimizer_state",
     "merge_model_states",
     "merge_optimizer_states",
     "owned_indices",
+    "param_names",
+    "save_sharded",
+    "saved_model_keys",
+    "state_by_name",
+    "state_by_position",
 ]

@@ -16,7 +16,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,22 +31,19 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
 from lightning_clapping import _compat
-from lightning_clapping.checkpoint import (
-    gather_to_zero,
-    local_optimizer_state,
-    merge_model_states,
-    merge_optimizer_states,
-)
+from lightning_clapping import checkpoint as ckpt
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
 from lightning_clapping.feedback import MessageRule, StepContext, check_variant
 from lightning_clapping.log_relay import LogRelay
+from lightning_clapping.materialize import materialize
 from lightning_clapping.microbatch import merge_outputs, split_batch
 from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
 from lightning_clapping.schedule import SCHEDULES
@@ -90,6 +91,13 @@ class ClappingStrategy(ParallelStrategy):
             (``clapping/ratio``, also on the progress bar), the relative norm of the compressed differences
             (``clapping/fwd_rel_diff``, ``clapping/bwd_rel_diff``) and the error-feedback memory
             (``clapping/feedback_bytes``).
+        state_dict_type: ``"full"`` (default): checkpoints are one ordinary Lightning file, gathered on rank 0 (which
+            then needs memory for the whole model), and after each run the launching process's module holds the
+            whole trained model. ``"sharded"``: every stage writes its own tensors, in parallel, into a
+            ``torch.distributed.checkpoint`` folder in Lightning's FSDP layout (no rank ever holds more than its
+            stage); the module in the launching process keeps only its own stage after a run, and the trained model
+            is in the checkpoint (``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` makes one
+            file of it).
         start_method: only ``"popen"``; spawn and fork are refused with the reason.
     """
 
@@ -118,6 +126,7 @@ class ClappingStrategy(ParallelStrategy):
         timeout: timedelta = timedelta(minutes=10),
         prepost_receives: bool | None = None,
         log_bytes: bool = True,
+        state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen",
     ) -> None:
         super().__init__(
@@ -129,6 +138,13 @@ class ClappingStrategy(ParallelStrategy):
         )
         if start_method != "popen":
             raise ValueError(_SPAWN_REFUSED.format(how=f"start_method={start_method!r}"))
+        if state_dict_type not in ckpt.STATE_DICT_TYPES:
+            raise ValueError(
+                f"state_dict_type must be 'full' (one checkpoint file, gathered on rank 0) or 'sharded' (one shard "
+                f"per stage, written in parallel), got {state_dict_type!r}"
+            )
+        self.state_dict_type = state_dict_type
+        self._sharded_loaded = False
         if split_points is not None:
             if isinstance(split_points, str) or not all(isinstance(s, str) for s in split_points):
                 raise TypeError(f"split_points must be a list of module names, got {split_points!r}")
@@ -204,7 +220,8 @@ class ClappingStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of the pipeline must see the same batch
+        # every stage of the pipeline must see the same batch (setup() also stops Lightning from injecting a
+        # sampler at all: with one pipeline replica the data must come in the user's own order)
         return {"num_replicas": 1, "rank": 0}
 
     @property
@@ -237,9 +254,25 @@ class ClappingStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _compat.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
 
+    # ------------------------------------------------------------------ building big models
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device; each rank materializes its stage."""
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Layers created in ``configure_model()`` land on the meta device; each rank materializes its stage."""
+        with torch.device("meta"):
+            yield
+
     # ------------------------------------------------------------------ checks done before any work
-    def check_model(self, model: pl.LightningModule) -> Partition:
-        """Everything that can be checked before processes start: raises with a message that says what to change."""
+    def check_model(self, model: pl.LightningModule, partition: bool = True) -> Partition | None:
+        """Everything that can be checked before processes start: raises with a message that says what to change.
+
+        ``partition=False`` skips cutting the model (its layers may not exist yet: ``configure_model()`` runs later).
+        """
         if not model.automatic_optimization:
             raise ValueError(
                 "ClappingStrategy supports automatic optimization only: the pipeline runs forward and backward of all "
@@ -252,7 +285,7 @@ class ClappingStrategy(ParallelStrategy):
                 "precision='16-mixed' needs a gradient scaler whose overflow checks would have to agree across stages; "
                 "use precision='bf16-mixed' (or 32-true) with ClappingStrategy."
             )
-        return build_partition(model, self.num_stages, self.split_points)
+        return build_partition(model, self.num_stages, self.split_points) if partition else None
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
@@ -260,13 +293,17 @@ class ClappingStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.partition = self.check_model(module)
+        assert self.partition is not None
         if trainer.state.fn == TrainerFn.FITTING:
             rank_zero_info(f"ClappingStrategy: {self.num_stages} stages, schedule {self.schedule}, "
                            f"{self.microbatches} micro-batches\n{self.partition.table()}")
         self.runner = StageRunner(module, self.partition, self.stage)
         self.runner.release_foreign_state()
+        self._materialize_own_stage(module)
         self.runner.install()
         self._patch(module, "optimizer_zero_grad", None)
+        # one pipeline replica: the data must come in the user's own order, so Lightning injects no sampler
+        self._patch(_compat.accelerator_connector(trainer), "use_distributed_sampler", False)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -291,6 +328,18 @@ class ClappingStrategy(ParallelStrategy):
         self._lazy_checked = False
         self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
+
+    def _materialize_own_stage(self, module: pl.LightningModule) -> None:
+        """Allocate and initialise the meta-built modules of this rank's stage, and the replicated buffers."""
+        assert self.partition is not None
+        units = self.partition.units_of(self.stage)
+        spanning = set(self.partition.spanning)  # their own tensors can only be replicated buffers
+
+        def own(name: str) -> bool:
+            return name in spanning or any(u == "" or name == u or name.startswith(u + ".") for u in units)
+
+        if materialize([(n, m) for n, m in module.named_modules() if own(n)], self.root_device):
+            log.debug("stage %d materialized from the meta device", self.stage)
 
     def _isolate_metrics(self, module: pl.LightningModule) -> None:
         """torchmetrics syncs ``compute()`` over the default (whole-world) group, but only the last stage has metric
@@ -523,22 +572,90 @@ class ClappingStrategy(ParallelStrategy):
         return bool(flag.item())
 
     # ------------------------------------------------------------------ checkpoints
+    # Lightning calls lightning_module_state_dict() and optimizer_state() on every rank, then save_checkpoint() on
+    # every rank. "full": the first two gather tensors to rank 0 (collectives), which writes the file. "sharded":
+    # they return this stage's own part, keyed by name, and every rank writes it (torch.distributed.checkpoint).
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.partition is not None
-        module = self.lightning_module
         mine = self.partition.owned_state_keys(self.stage)
-        local = {k: v for k, v in module.state_dict().items() if k in mine}
-        parts = gather_to_zero(local, self.world_size)
-        if parts is None:
+        local = {k: v for k, v in self.lightning_module.state_dict().items() if k in mine}
+        if self.state_dict_type == "sharded":
             return local
-        return merge_model_states(parts, list(self.partition.state_stage))
+        parts = ckpt.gather_to_zero(local, self.root_device)
+        return ckpt.merge_model_states(parts, list(self.partition.state_stage)) if parts is not None else {}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        parts = gather_to_zero(local_optimizer_state(optimizer, optimizer.state_dict()), self.world_size)
-        return merge_optimizer_states(parts) if parts is not None else {}
+        local = ckpt.local_optimizer_state(optimizer, optimizer.state_dict())
+        if self.state_dict_type == "sharded":
+            return ckpt.state_by_name(local, ckpt.param_names(self.lightning_module, optimizer))
+        parts = ckpt.gather_to_zero(local, self.root_device)
+        return ckpt.merge_optimizer_states(parts) if parts is not None else {}
+
+    def _feedback_state(self) -> dict[str, Any]:
+        state = self.executor.feedback_state() if self.executor is not None else self._last_feedback
+        return {f"stage{self.stage}": state}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Adds every stage's error-feedback buffers, so a compressed run resumes exactly."""
+        checkpoint["clapping"] = {"cut_points": list(self.partition.cut_points) if self.partition else [],
+                                  "num_stages": self.num_stages}
+        if self.state_dict_type == "full":
+            parts = ckpt.gather_to_zero(self._feedback_state(), self.root_device)
+            if parts is not None:
+                checkpoint["clapping_feedback"] = {k: v for part in parts for k, v in part.items()}
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        path = Path(self.broadcast(str(filepath)))
+        if self.global_rank == 0 and path.is_file():
+            path.unlink()
+        tensors = {"model": checkpoint.pop("state_dict"), "clapping_feedback": self._feedback_state()}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        ckpt.save_sharded(path, tensors, checkpoint if self.global_rank == 0 else None)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero and Path(filepath).is_dir():
+            shutil.rmtree(filepath)
+        else:
+            super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded folder: every rank reads only its own tensors by name; returns the rest (``meta.pt``)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._sharded_loaded = ckpt.is_sharded_checkpoint(path)
+        if not self._sharded_loaded:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.partition is not None
+        meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=bool(weights_only))
+        module = self.lightning_module
+        saved = ckpt.saved_model_keys(path)
+        if module.strict_loading:
+            ckpt.check_model_keys(saved, list(self.partition.state_stage), path)
+        mine = self.partition.owned_state_keys(self.stage)
+        ckpt.load_sharded_model(path, {k: v for k, v in module.state_dict().items() if k in mine and k in saved})
+        prefixes = [f"clapping_feedback.stage{self.stage}"]
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        names = [ckpt.param_names(module, o) for o in optimizers]
+        if module.trainer.state.fn == TrainerFn.FITTING:
+            for i, (opt, opt_names) in enumerate(zip(optimizers, names)):
+                prefixes.append(f"optimizer_{i}.param_groups")
+                prefixes += [f"optimizer_{i}.state.{opt_names[j]}" for j in sorted(ckpt.owned_indices(opt))]
+        loaded = ckpt.load_sharded_entries(path, prefixes)
+        for i, (opt, opt_names) in enumerate(zip(optimizers, names)):
+            if f"optimizer_{i}" in loaded:
+                opt.load_state_dict(ckpt.state_by_position(loaded[f"optimizer_{i}"], opt_names))
+                _compat.optimizers_to_device([opt], self.root_device)
+        self._restore_feedback({**meta, "clapping_feedback": loaded.get("clapping_feedback", {})})
+        return meta
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._sharded_loaded  # a sharded checkpoint's optimizer state was read in load_checkpoint()
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if self._sharded_loaded:
+            return  # read in load_checkpoint()
         assert self.partition is not None
         mine = self.partition.owned_state_keys(self.stage)
         full = checkpoint["state_dict"]
@@ -548,41 +665,43 @@ class ClappingStrategy(ParallelStrategy):
         self.lightning_module.load_state_dict({k: v for k, v in full.items() if k in mine}, strict=False)
         self._restore_feedback(checkpoint)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Adds every stage's error-feedback buffers (collective), so a compressed run resumes exactly."""
-        state = self.executor.feedback_state() if self.executor is not None else self._last_feedback
-        parts = gather_to_zero({self.stage: state}, self.world_size)
-        if parts is not None:
-            feedback = {k: v for part in parts for k, v in part.items()}
-            checkpoint["clapping"] = {"cut_points": list(self.partition.cut_points) if self.partition else [],
-                                      "feedback": feedback}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
     def _restore_feedback(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("clapping")
         if not saved or self.executor is None or self.partition is None:
             return
         if list(saved.get("cut_points", [])) != list(self.partition.cut_points):
-            return  # a different cut: buffers do not apply; they restart (warm start)
-        for name, state in saved["feedback"].get(self.stage, {}).items():
+            if checkpoint.get("clapping_feedback"):
+                rank_zero_warn(
+                    f"the checkpoint was cut at {saved.get('cut_points')} and this run at "
+                    f"{list(self.partition.cut_points)}: its error-feedback buffers belong to other boundaries, so "
+                    "they are not used and restart empty (the first messages go in full precision)."
+                )
+            return
+        for name, state in checkpoint.get("clapping_feedback", {}).get(f"stage{self.stage}", {}).items():
             rule = self.executor.rules.get(name)
             if rule is not None:
                 rule.load_state(state, self.root_device)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        for optimizer, state in zip(self.optimizers, states):
+        if self._sharded_loaded:
+            return  # read in load_checkpoint()
+        module = self.lightning_module
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
-            optimizer.load_state_dict(local_optimizer_state(optimizer, state))
+            state = ckpt.state_by_position(state, ckpt.param_names(module, optimizer))
+            optimizer.load_state_dict(ckpt.local_optimizer_state(optimizer, state))
             _compat.optimizers_to_device([optimizer], self.root_device)
 
     # ------------------------------------------------------------------ end of a run
     def _gather_full_weights(self) -> None:
         """Collective: collect the whole model on rank 0, which loads it back into the user's module at teardown.
 
-        Runs at the normal end of every top-level run (fit, validate, test, predict), so the module object in the
-        launching process always ends up complete.
+        Runs at the normal end of every top-level run (fit, validate, test, predict) with ``state_dict_type="full"``,
+        so the module object in the launching process ends up complete. Sharded runs skip it: no rank may hold
+        more than its stage, and the trained model is in the sharded checkpoint.
         """
+        if self.state_dict_type == "sharded":
+            return
         state = self.lightning_module_state_dict()
         self._full_state = state if self.global_rank == 0 else None
 
@@ -657,5 +776,6 @@ class _ClappingLauncher(_compat.SubprocessScriptLauncher):
         if model is None and trainer is not None:
             model = trainer.lightning_module
         if model is not None:
-            self._strategy.check_model(model)
+            # a model that builds its layers in configure_model() is cut once they exist, in setup() on every rank
+            self._strategy.check_model(model, partition=not is_overridden("configure_model", model))
         return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -1,21 +1,31 @@
-"""A compressed run with lazy sampling, stopped mid-window and resumed, continues exactly as if never stopped."""
+"""A run stopped and resumed continues exactly as if never stopped: compressed with lazy sampling (stopped
+mid-window), and uncompressed, with full and with sharded checkpoints."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from lightning_clapping.channel import HEADER_BYTES
 from conftest import launch
 
 
-def test_resume_mid_window_reproduces_decisions_bytes_and_losses(tmp_path):
-    for mode in ("full", "first", "rest"):
-        launch("resume_run.py", str(tmp_path), mode, cwd=tmp_path)
-    full = json.loads((tmp_path / "full.json").read_text())
-    first = json.loads((tmp_path / "first.json").read_text())
-    rest = json.loads((tmp_path / "rest.json").read_text())
+def _runs(tmp_path, variant, state_dict_type):
+    launch("resume_run.py", str(tmp_path), "full", variant, "full", cwd=tmp_path)
+    for mode in ("first", "rest"):
+        launch("resume_run.py", str(tmp_path), mode, variant, state_dict_type, cwd=tmp_path)
+    full = json.loads((tmp_path / f"full_{variant}_full.json").read_text())
+    first = json.loads((tmp_path / f"first_{variant}_{state_dict_type}.json").read_text())
+    rest = json.loads((tmp_path / f"rest_{variant}_{state_dict_type}.json").read_text())
     assert len(full) == 14 and len(first) == 8 and len(rest) == 6
     assert first == full[:8]
+    return full, rest
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_compressed_resume_mid_window_reproduces_decisions_bytes_and_losses(tmp_path, state_dict_type):
+    full, rest = _runs(tmp_path, "clapping-fc", state_dict_type)
     assert full[8][1] == 0.0, "step 8 must reuse step 7's batch: the checkpoint falls inside a reuse window"
     # same fresh/reuse decisions and exactly the same losses (feedback buffers and sampler state restored)
     assert [r[1] for r in rest] == [r[1] for r in full[8:]]
@@ -24,3 +34,8 @@ def test_resume_mid_window_reproduces_decisions_bytes_and_losses(tmp_path):
     # message per slot: 2 boundaries x 2 directions x 4 micro-batches)
     assert rest[0][2] - full[8][2] == 16 * HEADER_BYTES
     assert [r[2] for r in rest[1:]] == [r[2] for r in full[9:]]
+
+
+def test_uncompressed_sharded_resume_reproduces_losses(tmp_path):
+    full, rest = _runs(tmp_path, "uncompressed", "sharded")
+    assert [r[0] for r in rest] == [r[0] for r in full[8:]]

@@ -1,6 +1,9 @@
 """Compressed training with lazy sampling, uninterrupted or stopped and resumed; rank 0 saves the losses.
 
-python resume_run.py OUT MODE      MODE: full (14 steps) | first (8 steps, then a checkpoint) | rest (resume to 14)
+python resume_run.py OUT MODE [VARIANT [STATE_DICT_TYPE]]
+    MODE: full (14 steps) | first (8 steps, then a checkpoint) | rest (resume to 14)
+    VARIANT: clapping-fc (default; lazy sampling, p=0.5) | uncompressed (every batch fresh: p=1)
+    STATE_DICT_TYPE: full (default) | sharded
 """
 
 import json
@@ -22,28 +25,31 @@ class Losses(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         m = trainer.callback_metrics
-        self.rows.append([float(loss), float(m["clapping/fresh"]), float(m["clapping/bytes"])])
+        self.rows.append([float(loss), float(m.get("clapping/fresh", 1.0)), float(m["clapping/bytes"])])
 
 
-def main(out, mode):
+def main(out, mode, variant="clapping-fc", state_dict_type="full"):
     torch.manual_seed(0)
     model = SequentialMLP(optimizer="adam", lr=0.01)
     x, y = classification_data(n=80, seed=1)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
-    data = lightning_clapping.LazySamplingDataModule(loader, p=0.5, seed=7)
+    # the lazy-sampling wrapper also makes the loader resumable mid-epoch (a plain DataLoader is not, in Lightning)
+    p = 1.0 if variant == "uncompressed" else 0.5
+    data = lightning_clapping.LazySamplingDataModule(loader, p=p, seed=7)
     strategy = lightning_clapping.ClappingStrategy(split_points=["net.2", "net.4"], microbatches=4,
-                                                   variant="clapping-fc", forward_codec="q4", backward_codec="q8")
+                                                   variant=variant, forward_codec="q4", backward_codec="q8",
+                                                   state_dict_type=state_dict_type)
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=8 if mode == "first" else 14,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[losses])
-    ckpt = out / "mid.ckpt"
+                        enable_model_summary=False, callbacks=[losses])
+    ckpt = out / f"mid_{variant}_{state_dict_type}.ckpt"
     trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if mode == "rest" else None)
     if mode == "first":
         trainer.save_checkpoint(ckpt)
     if trainer.global_rank == 0:
-        (out / f"{mode}.json").write_text(json.dumps(losses.rows))
+        (out / f"{mode}_{variant}_{state_dict_type}.json").write_text(json.dumps(losses.rows))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), *sys.argv[2:])
