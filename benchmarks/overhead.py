@@ -154,7 +154,7 @@ def run_lightning(rank, world, cfg, data):
                                                    microbatches=cfg[5], schedule="gpipe", log_bytes=False)
     trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=world, strategy=strategy,
                         max_steps=warmup + timed, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[clock])
     model.configure_optimizers = lambda: torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=None))

@@ -263,7 +263,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
         accelerator="cpu", devices=STAGES, strategy=strategy, max_steps=cfg.steps,
         val_check_interval=cfg.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         gradient_clip_val=task.gradient_clip_val, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder])
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)

@@ -526,7 +526,7 @@ def fit(kind, max_steps, tmp_path, ckpt_path=None, save_every_step=False, p=0.4,
                                          filename="{step}"))
     trainer = L.Trainer(
         max_steps=max_steps, max_epochs=-1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
         enable_checkpointing=save_every_step, callbacks=callbacks, default_root_dir=tmp_path,
     )
     with warnings.catch_warnings():

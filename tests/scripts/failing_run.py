@@ -65,8 +65,7 @@ def main(case):
         raise SystemExit(f"unknown case {case}")
     strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=microbatches, timeout=timeout)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch_size))
 
 

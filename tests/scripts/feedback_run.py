@@ -68,7 +68,7 @@ def run(out, name, cfg):
         backward_codec=cfg.get("bwd", "q8"), warm_start=cfg.get("warm_start", True), lazy_messages=cfg.get("lazy"))
     trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=cfg.get("steps", 12),
                         logger=CSVLogger(out, name=name, version=0), log_every_n_steps=1, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, callbacks=[SaveState(out, name)])
     trainer.fit(model, datamodule=data)
     if trainer.global_rank == 0:

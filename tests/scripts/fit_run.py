@@ -95,7 +95,7 @@ def run(mode, out, name):
         strategy, devices = "auto", 1
     loggers = [CSVLogger(out, name=f"csv_{name}_{mode}"), TensorBoardLogger(out, name=f"tb_{name}_{mode}")]
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=loggers, callbacks=callbacks,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, deterministic=True, log_every_n_steps=1, **trainer_kw)
     train, val = loaders()
     resume = extra.get("resume")

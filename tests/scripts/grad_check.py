@@ -59,7 +59,7 @@ def main():
                                                        schedule=sched)
         trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=1, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[cb])
+                            num_sanity_val_steps=0, callbacks=[cb])
         data = TreeDataset(batch)
         trainer.fit(model, DataLoader(data, batch_size=len(data)))
         torch.save({"grads": cb.grads, "param_bytes": cb.param_bytes, "stage": strategy.stage,

@@ -66,7 +66,7 @@ def main(mode: str, out: Path) -> None:
     rec = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, logger=False,
                         callbacks=[rec], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, deterministic=True)
+                        enable_model_summary=False, deterministic=True)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     if trainer.global_rank == 0:
         (out / f"inf_mask_{mode}.json").write_text(json.dumps({"losses": rec.losses}))
