@@ -65,8 +65,9 @@ def test_both_ends_of_every_boundary_hold_bit_identical_buffers(out, name):
             mine, theirs = stages[s]["feedback"][a], stages[s + 1]["feedback"][b]
             assert mine.keys() == theirs.keys()
             for key in mine:
-                assert torch.equal(mine[key], theirs[key]), (s, a, key)
-                compared += 1
+                torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=0, equal_nan=True,
+                                           msg=str((s, a, key)))
+                compared += not key.endswith((".last_rel", ".skips"))  # lazy-message trigger, next to each buffer
     if name != "aq":  # AQ-SGD compresses gradients directly: no backward buffers
         assert compared == (STAGES - 1) * 2 * 4  # two directions x four micro-batch slots per boundary
     else:
@@ -76,12 +77,6 @@ def test_both_ends_of_every_boundary_hold_bit_identical_buffers(out, name):
 def test_clapping_fu_with_p1_trains_exactly_like_uncompressed(out):
     a, b = _weights(out, "fu_p1"), _weights(out, "raw_p1")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_clapping_fc_with_p1_is_ef21(out):
-    a, b = _weights(out, "fc_p1"), _weights(out, "ef21")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["train_loss"] for r in _metrics(out, "fc_p1")] == [r["train_loss"] for r in _metrics(out, "ef21")]
 
 
 def test_bytes_handed_to_torch_distributed_are_the_packed_payload(out):
