@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.feedback import VARIANTS
+from lightning_clapping.materialize import MaterializeError, materialize_module
 from lightning_clapping.partition import Partition, PartitionError, build_partition
 from lightning_clapping.stage import SplitError
 from lightning_clapping.strategy import ClappingStrategy
@@ -23,11 +24,13 @@ __all__ = [
     "Codec",
     "LazySamplingDataModule",
     "LazySamplingLoader",
+    "MaterializeError",
     "Partition",
     "PartitionError",
     "SplitError",
     "available_codecs",
     "build_partition",
     "get_codec",
+    "materialize_module",
     "register_codec",
 ]

@@ -43,6 +43,13 @@ def test_configure_model_ranks_materialize_only_their_own_stage(sharded_runs):
             assert device == ("cpu" if _owner_stage(name) == row["stage"] else "meta"), (row["stage"], name)
 
 
+def test_a_model_built_under_init_module_empty_init_materializes_only_each_stage(tmp_path):
+    launch("bigmodel_run.py", str(tmp_path), "i", "4", "1", "--init-module", "--memory-only", cwd=tmp_path, env=SMALL)
+    for row in _rows(tmp_path, "i", 4):
+        for name, device in row["devices"].items():
+            assert device == ("cpu" if _owner_stage(name) == row["stage"] else "meta"), (row["stage"], name)
+
+
 def test_peak_memory_per_rank_stays_below_the_model_size():
     # 8 blocks of 4096x4096 (537 MB fp32) on 4 stages, plain SGD: a rank holds a quarter of the parameters, their
     # gradients and one micro-batch's gradient of one block while it is accumulated (0.625x); a rank that built

@@ -1,7 +1,8 @@
 """A model built in configure_model() (meta device), trained through the pipeline with sharded checkpoints.
 
-python bigmodel_run.py OUT NAME STAGES STEPS [--resume CKPT] [--full] [--eager] [--memory-only]
+python bigmodel_run.py OUT NAME STAGES STEPS [--resume CKPT] [--full] [--eager | --init-module] [--memory-only]
 (model size from BIG_WIDTH and BIG_LAYERS, default 1024 x 4; SGD momentum from BIG_MOMENTUM, default 0.9)
+--eager builds the layers in __init__; --init-module does so under trainer.init_module(empty_init=True);
 --memory-only writes only the JSON (no tensor files, no checkpoint).
 
 Every rank writes OUT/NAME_rank{r}.json (devices of its parameters, memory, losses, optimizer state sums) and its
@@ -79,14 +80,19 @@ class Record(L.Callback):
 def main(out: Path, name: str, stages: int, steps: int, resume: str | None, flags: set[str]) -> None:
     start = rss_bytes()
     L.seed_everything(0)
-    model = WideMLP(WIDTH, LAYERS, momentum=MOMENTUM, eager="--eager" in flags)
     files = "--memory-only" not in flags
-    full = "--full" in flags
     record = Record(out, name, start, files)
-    strategy = lightning_clapping.ClappingStrategy(microbatches=2, state_dict_type="full" if full else "sharded")
+    strategy = lightning_clapping.ClappingStrategy(microbatches=2,
+                                                   state_dict_type="full" if "--full" in flags else "sharded")
     trainer = L.Trainer(accelerator="cpu", devices=stages, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[record])
+    if "--init-module" in flags:
+        with trainer.init_module(empty_init=True):
+            model = WideMLP(WIDTH, LAYERS, momentum=MOMENTUM, eager=True)
+        assert all(p.is_meta for p in model.parameters())
+    else:
+        model = WideMLP(WIDTH, LAYERS, momentum=MOMENTUM, eager="--eager" in flags)
     trainer.fit(model, synthetic_data(WIDTH), ckpt_path=resume)
     rank = trainer.global_rank
     if files:
@@ -98,7 +104,7 @@ def main(out: Path, name: str, stages: int, steps: int, resume: str | None, flag
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    flags = {a for a in argv if a in ("--full", "--eager", "--memory-only")}
+    flags = {a for a in argv if a in ("--full", "--eager", "--init-module", "--memory-only")}
     argv = [a for a in argv if a not in flags]
     resume = None
     if "--resume" in argv:
