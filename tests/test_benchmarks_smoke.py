@@ -77,3 +77,20 @@ def test_lazy_messages_benchmark_compares_thresholds_with_the_trigger_off(tmp_pa
             assert r["bytes"] < off["bytes"]
         else:  # nothing skipped: the very same run
             assert (r["bytes"], r["val_loss"]) == (off["bytes"], off["val_loss"])
+
+
+def test_memory_benchmark_measures_every_build_and_the_sharded_save_and_resume(tmp_path):
+    proc = _run("memory.py", tmp_path)
+    result = json.loads((tmp_path / "memory.json").read_text())
+    rows, model_bytes = result["rows"], result["model_bytes"]
+    assert model_bytes == 4 * (4 * (256 * 256 + 256) + 256 * 10 + 10)  # --tiny: 4 blocks of 256 + a 10-class head
+    assert sorted((r["build"], r["rank"]) for r in rows) == sorted(
+        (b, rank) for b in ("eager", "configure_model", "configure_model+save", "resume") for rank in (0, 1))
+    for build in ("eager", "configure_model"):
+        ranks = [r for r in rows if r["build"] == build]
+        assert sum(r["own_bytes"] for r in ranks) == model_bytes  # the stages hold the model exactly once
+        assert all(0 < r["build_peak"] <= r["train_peak"] for r in ranks)
+    assert all(r["save_peak"] > 0 for r in rows if r["build"] == "configure_model+save")
+    worst = max(r["train_peak"] for r in rows if r["build"] == "configure_model")
+    assert result["target"] == ("met" if worst <= 0.8 * model_bytes else "not met")
+    assert f"worst rank {worst / model_bytes:.2f}x the model" in proc.stdout
