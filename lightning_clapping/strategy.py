@@ -13,6 +13,7 @@ first-hand; the other ranks get the same values through :mod:`lightning_clapping
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -149,6 +150,9 @@ class ClappingStrategy(ParallelStrategy):
             if isinstance(split_points, str) or not all(isinstance(s, str) for s in split_points):
                 raise TypeError(f"split_points must be a list of module names, got {split_points!r}")
             split_points = list(split_points)
+            if not split_points:
+                raise ValueError("split_points=[] makes one stage; give the names of the modules that start stages "
+                                 "1, 2, ... or None to balance the model automatically")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
@@ -156,8 +160,15 @@ class ClappingStrategy(ParallelStrategy):
         self.variant = check_variant(variant)
         self.forward_codec = get_codec(forward_codec)
         self.backward_codec = get_codec(backward_codec)
-        if lazy_messages is not None and not (isinstance(lazy_messages, (int, float)) and lazy_messages > 0):
-            raise ValueError(f"lazy_messages must be a positive threshold or None, got {lazy_messages!r}")
+        if lazy_messages is not None and not (isinstance(lazy_messages, (int, float)) and not isinstance(
+                lazy_messages, bool) and 0 < lazy_messages < math.inf):
+            raise ValueError(f"lazy_messages must be a positive finite threshold (e.g. 0.03) or None, got "
+                             f"{lazy_messages!r}")
+        if not isinstance(max_skips, int) or isinstance(max_skips, bool) or max_skips < 0:
+            raise ValueError(f"max_skips must be a non-negative integer (skipped messages in a row), got {max_skips!r}")
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive datetime.timedelta, e.g. timedelta(minutes=10), got "
+                             f"{timeout!r}")
         self.compress_eval = compress_eval
         self.warm_start = warm_start
         self.lazy_messages = lazy_messages
@@ -297,6 +308,7 @@ class ClappingStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             rank_zero_info(f"ClappingStrategy: {self.num_stages} stages, schedule {self.schedule}, "
                            f"{self.microbatches} micro-batches\n{self.partition.table()}")
+        self._warn_batchnorm(module)
         self.runner = StageRunner(module, self.partition, self.stage)
         self.runner.release_foreign_state()
         self._materialize_own_stage(module)
@@ -328,6 +340,16 @@ class ClappingStrategy(ParallelStrategy):
         self._lazy_checked = False
         self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
+
+    def _warn_batchnorm(self, module: pl.LightningModule) -> None:
+        norms = [n for n, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if norms and self.microbatches > 1 and module.trainer.state.fn == TrainerFn.FITTING:
+            rank_zero_warn(
+                f"{len(norms)} BatchNorm layers ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) see one "
+                f"micro-batch at a time: with microbatches={self.microbatches} their batch statistics (and running "
+                "averages) come from micro-batches of the batch, not the whole batch, so training differs from one "
+                "device. Use microbatches=1, GroupNorm/LayerNorm, or accept per-micro-batch statistics."
+            )
 
     def _materialize_own_stage(self, module: pl.LightningModule) -> None:
         """Allocate and initialise the meta-built modules of this rank's stage, and the replicated buffers."""
@@ -426,7 +448,8 @@ class ClappingStrategy(ParallelStrategy):
         loss = None
         if self.executor.is_last:
             loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
-        loss_t = self._share_step_results(loss, stats, total, info)
+        fingerprint = _fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
+        loss_t = self._share_step_results(loss, stats, total, info, fingerprint)
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
         return loss_t
@@ -453,14 +476,27 @@ class ClappingStrategy(ParallelStrategy):
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _share_step_results(self, loss: float | None, stats: StepStats | None, batch_size: int,
-                            info: Any = None) -> Tensor:
-        """Send the last stage's loss and logged values to every rank and log them (and the step's numbers) there."""
+                            info: Any = None, fingerprint: tuple[float, ...] | None = None) -> Tensor:
+        """Send the last stage's loss and logged values to every rank and log them (and the step's numbers) there.
+
+        On fresh training steps the last stage's batch fingerprint travels along, and every other stage checks that
+        it fed the same batch into the pipeline.
+        """
         assert self._relay is not None
         local = self._relay.combined() if self.global_rank == 0 else None
-        payload: list[Any] = [(loss, self._relay.to_wire(local)) if local is not None else None]
+        payload: list[Any] = [(loss, self._relay.to_wire(local), fingerprint) if local is not None else None]
         if self.num_stages > 1:
             dist.broadcast_object_list(payload, src=0)
-        loss, wire = payload[0]
+        loss, wire, last_fingerprint = payload[0]
+        if fingerprint is not None and last_fingerprint is not None and not _same(fingerprint, last_fingerprint):
+            raise RuntimeError(
+                f"stage {self.stage} trained on another batch than the last stage at step "
+                f"{self.lightning_module.trainer.global_step} (batch fingerprints {fingerprint} vs {last_fingerprint}): "
+                "every stage must read the same batches in the same order. A DataLoader that shuffles with torch's "
+                "global RNG, a sampler or dataset with per-process randomness, or data that differs between "
+                "processes causes this: give the DataLoader a seeded `generator=` and make the data identical on "
+                "every process."
+            )
         self._relay.replay(wire, local, self.root_device)
         if stats is not None and self.log_bytes:
             self._log_step_stats(stats, batch_size, info)
@@ -604,7 +640,10 @@ class ClappingStrategy(ParallelStrategy):
             parts = ckpt.gather_to_zero(self._feedback_state(), self.root_device)
             if parts is not None:
                 checkpoint["clapping_feedback"] = {k: v for part in parts for k, v in part.items()}
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            with self._plain_forwards():
+                if self.global_rank == 0:
+                    self._whole_hparams_modules(checkpoint)
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
         if self.global_rank == 0 and path.is_file():
@@ -612,7 +651,46 @@ class ClappingStrategy(ParallelStrategy):
         tensors = {"model": checkpoint.pop("state_dict"), "clapping_feedback": self._feedback_state()}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
-        ckpt.save_sharded(path, tensors, checkpoint if self.global_rank == 0 else None)
+        held = [k for k, v in (checkpoint.get("hyper_parameters") or {}).items() if isinstance(v, torch.nn.Module)]
+        if held:
+            rank_zero_warn(
+                f"the saved hyperparameters hold modules ({', '.join(held)}); a sharded checkpoint stores them without "
+                "their weights (no rank holds the whole model), so load_from_checkpoint of the consolidated file "
+                f"cannot rebuild the model from them. Use `self.save_hyperparameters(ignore={held!r})` and build "
+                "those modules in the LightningModule, or state_dict_type='full'."
+            )
+        with self._plain_forwards():
+            ckpt.save_sharded(path, tensors, checkpoint if self.global_rank == 0 else None)
+
+    def _whole_hparams_modules(self, checkpoint: dict[str, Any]) -> None:
+        """Saved hyperparameters that hold one of the model's modules (``__init__(self, net: nn.Module)`` with
+        ``save_hyperparameters()``) get a copy of it holding the gathered weights, as a single process saves them:
+        ``load_from_checkpoint`` rebuilds the model from them. (The live module keeps only this rank's stage.)"""
+        hparams = checkpoint.get("hyper_parameters")
+        state = checkpoint.get("state_dict")
+        if not isinstance(hparams, dict) or not state:
+            return
+        names = {id(m): n for n, m in self.lightning_module.named_modules()}
+        for key, value in list(hparams.items()):
+            if isinstance(value, torch.nn.Module) and id(value) in names:
+                prefix = f"{names[id(value)]}." if names[id(value)] else ""
+                whole = copy.deepcopy(value)
+                whole.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                                      strict=False, assign=True)
+                hparams[key] = whole
+
+    @contextmanager
+    def _plain_forwards(self) -> Generator[None, None, None]:
+        """Without the stage wrappers: saved hyperparameters may hold the model's own modules (``net: nn.Module``),
+        which must pickle as in one process."""
+        if self.runner is None:
+            yield
+            return
+        self.runner.uninstall()
+        try:
+            yield
+        finally:
+            self.runner.install()
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero and Path(filepath).is_dir():
@@ -758,6 +836,20 @@ def _mix(*values: int) -> int:
         h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h & 0x7FFFFFFF
+
+
+def _fingerprint(batch: Any) -> tuple[float, ...]:
+    """An order-sensitive summary of a batch: per tensor, the position-weighted sum of its per-sample sums."""
+    out = []
+    for t in _compat.tree_flatten(batch)[0]:
+        if isinstance(t, Tensor) and t.dim() > 0 and not t.is_complex():
+            rows = t.detach().reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
+            out.append(float((rows * torch.arange(1, len(rows) + 1, dtype=torch.float64, device=rows.device)).sum()))
+    return tuple(out)
+
+
+def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 def _loss(out: Any) -> Tensor:

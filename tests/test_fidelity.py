@@ -1,0 +1,68 @@
+"""Patterns of real Lightning projects behave under the strategy as in one process (Lightning's defaults)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from conftest import SCRIPTS, launch
+
+sys.path.insert(0, str(SCRIPTS))
+
+
+def _row(out, case, mode, rank=0):
+    return json.loads((out / f"{case}_{mode}_rank{rank}.json").read_text())
+
+
+def test_stages_train_on_the_same_batches_when_they_consume_the_global_rng_differently(tmp_path):
+    launch("fidelity_run.py", str(tmp_path), "rng", "pipe", cwd=tmp_path)
+    last, first = _row(tmp_path, "rng", "pipe", 0)["labels"], _row(tmp_path, "rng", "pipe", 1)["labels"]
+    assert len(last) > 12  # 3 lazy epochs of 4 fresh batches each (and reuse steps)
+    assert last == first
+    assert len({tuple(b) for b in last}) > 4  # reshuffled between epochs
+
+
+def test_a_stage_fed_other_data_stops_the_run_with_the_reason(tmp_path):
+    proc = launch("fidelity_run.py", str(tmp_path), "otherdata", "pipe", cwd=tmp_path, expect_ok=False, timeout=240)
+    assert proc.returncode != 0
+    assert "trained on another batch than the last stage at step 0" in proc.stderr
+
+
+def test_batchnorm_with_micro_batches_is_warned_about(tmp_path):
+    proc = launch("fidelity_run.py", str(tmp_path), "batchnorm", "pipe", cwd=tmp_path)
+    assert "1 BatchNorm layers (net.1) see one micro-batch at a time" in proc.stderr
+
+
+def test_hyperparameters_holding_the_network_checkpoint_as_in_one_process(tmp_path):
+    from fidelity_run import NetHolder
+
+    for mode in ("pipe", "single"):
+        launch("fidelity_run.py", str(tmp_path), "hparams", mode, cwd=tmp_path)
+    trained = torch.load(tmp_path / "hparams_pipe_weights.pt")
+    single = torch.load(tmp_path / "hparams_single_weights.pt")
+    loaded = NetHolder.load_from_checkpoint(_row(tmp_path, "hparams", "pipe")["checkpoint"], weights_only=False)
+    assert isinstance(loaded.hparams.net, torch.nn.Sequential)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+        torch.testing.assert_close(tensor, single[name], rtol=1e-5, atol=1e-6)
+    # the network saved in the hyperparameters is whole as well (it is what load_from_checkpoint rebuilds from)
+    saved = torch.load(_row(tmp_path, "hparams", "pipe")["checkpoint"], weights_only=False)["hyper_parameters"]
+    for name, tensor in saved["net"].state_dict().items():
+        assert torch.equal(tensor, trained[f"net.{name}"]), name
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"timeout": 60}, "timeout must be a positive datetime.timedelta"),
+    ({"max_skips": -1}, "max_skips must be a non-negative integer"),
+    ({"max_skips": 1.5}, "max_skips must be a non-negative integer"),
+    ({"lazy_messages": float("inf")}, "lazy_messages must be a positive finite threshold"),
+    ({"split_points": []}, r"split_points=\[\] makes one stage"),
+])
+def test_arguments_are_checked_when_the_strategy_is_built(kwargs, match):
+    import lightning_clapping
+
+    with pytest.raises(ValueError, match=match):
+        lightning_clapping.ClappingStrategy(**kwargs)
