@@ -20,11 +20,18 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers 
 from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
+from torch import Tensor
 from torch.distributed.checkpoint.default_planner import (  # noqa: F401
     _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict  # noqa: F401
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
+
+
+def tree_map_tensors(fn, tree):
+    """``fn`` applied to every tensor of a nested structure (torch's private pytree)."""
+    leaves, spec = tree_flatten(tree)
+    return tree_unflatten([fn(x) if isinstance(x, Tensor) else x for x in leaves], spec)
 
 
 
@@ -52,6 +59,7 @@ __all__ = [
     "reset_seed",
     "sync_if_available",
     "tree_flatten",
+    "tree_map_tensors",
     "tree_unflatten",
 ]
 

@@ -314,6 +314,8 @@ class ClappingStrategy(ParallelStrategy):
         self._materialize_own_stage(module)
         self.runner.install()
         self._patch(module, "optimizer_zero_grad", None)
+        for hook in _EPOCH_END_HOOKS:
+            self._patch(module, hook, self._on_last_stage(getattr(module, hook)))
         # one pipeline replica: the data must come in the user's own order, so Lightning injects no sampler
         self._patch(_compat.accelerator_connector(trainer), "use_distributed_sampler", False)
         self.model = self.precision_plugin.convert_module(module)
@@ -340,6 +342,20 @@ class ClappingStrategy(ParallelStrategy):
         self._lazy_checked = False
         self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
+
+    def _on_last_stage(self, user_hook: Any) -> Any:
+        """An epoch-end hook runs on the last stage only, where the step outputs it reads exist (the earlier stages
+        never reach the code after their cut); what it logs is relayed to every rank, like the steps' logs."""
+
+        def hook() -> None:
+            assert self._relay is not None
+            self._relay.clear()
+            if self.global_rank == 0:  # the last stage
+                with self._relay.capture(1):
+                    user_hook()
+            self._share_step_results(None, None, 1)
+
+        return hook
 
     def _warn_batchnorm(self, module: pl.LightningModule) -> None:
         norms = [n for n, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -547,9 +563,16 @@ class ClappingStrategy(ParallelStrategy):
                 return fn(mb, *args, **kwargs)
 
         outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
+        merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
             self._share_step_results(None, None, sum(sizes))
-        return merge_outputs(outputs, sizes) if self.executor.is_last else None
+        elif self.num_stages > 1:
+            # every rank returns the predictions, as under DDP: scripts that use them run on every rank
+            box = [_compat.tree_map_tensors(lambda t: t.cpu(), merged)]
+            dist.broadcast_object_list(box, src=0)
+            merged = box[0] if self.executor.is_last else _compat.tree_map_tensors(lambda t: t.to(self.root_device),
+                                                                                    box[0])
+        return merged
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
@@ -827,6 +850,9 @@ class ClappingStrategy(ParallelStrategy):
         strategy_registry.register(
             "clapping", cls, description="Pipeline-parallel training with compressed inter-stage messages"
         )
+
+
+_EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
 def _mix(*values: int) -> int:

@@ -54,6 +54,18 @@ def test_hyperparameters_holding_the_network_checkpoint_as_in_one_process(tmp_pa
         assert torch.equal(tensor, trained[f"net.{name}"]), name
 
 
+def test_epoch_end_hooks_on_collected_step_outputs_log_as_in_one_process_and_every_rank_gets_predictions(tmp_path):
+    for mode in ("pipe", "single"):
+        launch("fidelity_run.py", str(tmp_path), "epochend", mode, cwd=tmp_path)
+    single = _row(tmp_path, "epochend", "single")
+    for rank in (0, 1):
+        pipe = _row(tmp_path, "epochend", "pipe", rank)
+        for key in ("train_epoch_loss", "val_acc"):  # sync_dist=True: not divided by the number of stages
+            assert pipe["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5), (rank, key)
+        assert pipe["checkpoint"].endswith(single["checkpoint"].rpartition("/")[2])  # monitored val_acc
+        torch.testing.assert_close(torch.tensor(pipe["predictions"]), torch.tensor(single["predictions"]))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"timeout": 60}, "timeout must be a positive datetime.timedelta"),
     ({"max_skips": -1}, "max_skips must be a non-negative integer"),

@@ -8,6 +8,9 @@ rng:       lazy sampling over a DataLoader shuffling with torch's global RNG (no
 otherdata: each process builds different data (a bug in user code the strategy must catch).
 batchnorm: a model with BatchNorm1d and 2 micro-batches (the strategy warns).
 hparams:   ``__init__(self, net: nn.Module)`` with ``save_hyperparameters()`` and Lightning's default checkpointing.
+epochend:  epoch-end hooks that compute from what the steps collected (``torch.cat(self.outs)``) and log with
+           ``sync_dist=True``, ModelCheckpoint monitoring that value; then ``torch.cat(trainer.predict(...))`` on
+           every rank.
 """
 
 import json
@@ -62,6 +65,42 @@ class NetHolder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
+class EpochEnd(L.LightningModule):
+    """The pattern Lightning 2's migration guide recommends for epoch-level values."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        self.train_outs, self.val_outs = [], []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.train_outs.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self):
+        self.log("train_epoch_loss", torch.stack(self.train_outs).mean(), sync_dist=True)
+        self.train_outs.clear()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_outs.append((self(x).argmax(-1) == y).float())
+
+    def on_validation_epoch_end(self):
+        self.log("val_acc", torch.cat(self.val_outs).mean(), sync_dist=True, prog_bar=True)
+        self.val_outs.clear()
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).softmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 class Labels(L.Callback):
     def __init__(self):
         self.rows = []
@@ -80,6 +119,8 @@ def main(out: Path, case: str, mode: str) -> None:
     if case == "hparams":
         model = NetHolder(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
         split = ["net.2"]
+    elif case == "epochend":
+        model, split = EpochEnd(), ["net.2"]
     else:
         model = NoisyDropoutMLP(norm=case == "batchnorm")
         split = ["net.3"]
@@ -88,12 +129,19 @@ def main(out: Path, case: str, mode: str) -> None:
                                                                 freeze_rng=False), 2
     else:
         strategy, devices = "auto", 1
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3 if case == "rng" else 1,
-                        default_root_dir=out / f"{case}_{mode}", enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[labels])
+    callbacks = [labels]
+    if case == "epochend":
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(monitor="val_acc", mode="max"))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                        max_epochs={"rng": 3, "epochend": 2}.get(case, 1), default_root_dir=out / f"{case}_{mode}",
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     data = lightning_clapping.LazySamplingDataModule(loader, p=0.5, seed=1) if case == "rng" else None
-    trainer.fit(model, loader if data is None else None, datamodule=data)
-    row = {"labels": labels.rows, "checkpoint": trainer.checkpoint_callback.best_model_path}
+    val = DataLoader(TensorDataset(*classification_data(n=24, seed=2)), batch_size=8) if case == "epochend" else None
+    trainer.fit(model, loader if data is None else None, val, datamodule=data)
+    row = {"labels": labels.rows, "checkpoint": trainer.checkpoint_callback.best_model_path,
+           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    if case == "epochend":
+        row["predictions"] = torch.cat(trainer.predict(model, val)).tolist()  # on every rank, as users write it
     if trainer.global_rank == 0:
         torch.save(model.state_dict(), out / f"{case}_{mode}_weights.pt")
     (out / f"{case}_{mode}_rank{trainer.global_rank}.json").write_text(json.dumps(row))
