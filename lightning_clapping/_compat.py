@@ -35,6 +35,18 @@ def tree_map_tensors(fn, tree):
 
 
 
+def default_store():
+    """The process group's rendezvous key-value store (private ``_get_default_store``); None without one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def accelerator_connector(trainer):
     """The trainer's private ``_accelerator_connector``, whose ``use_distributed_sampler`` the data connector reads."""
     return trainer._accelerator_connector
@@ -48,6 +60,7 @@ def set_metric_step_value(metric, value) -> None:
 __all__ = [
     "EmptyStateDictLoadPlanner",
     "accelerator_connector",
+    "default_store",
     "dcp_load_state_dict",
     "set_metric_step_value",
     "SubprocessScriptLauncher",

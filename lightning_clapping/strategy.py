@@ -13,8 +13,10 @@ first-hand; the other ranks get the same values through :mod:`lightning_clapping
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import time
 import math
 import os
 import shutil
@@ -343,6 +345,26 @@ class ClappingStrategy(ParallelStrategy):
         self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
 
+    @contextmanager
+    def _stage_errors(self) -> Generator[None, None, None]:
+        """A stage that fails leaves its reason in the process group's store before its process ends; when rank 0
+        then fails only because a peer went away, it raises with that stage's reason instead of gloo's."""
+        try:
+            yield
+        except Exception as err:
+            store = _compat.default_store() if self.num_stages > 1 else None
+            if store is None:
+                raise
+            with contextlib.suppress(Exception):
+                store.set(f"clapping/failure/{self.global_rank}",
+                          f"stage {self.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}")
+            if self.global_rank != 0 or not _is_peer_loss(err):
+                raise
+            cause = _peer_failure(store, self.world_size)
+            if cause is None:
+                raise
+            raise StageFailure(f"{cause}\n(rank 0 then lost its connection: {type(err).__name__}: {err})") from err
+
     def _on_last_stage(self, user_hook: Any) -> Any:
         """An epoch-end hook runs on the last stage only, where the step outputs it reads exist (the earlier stages
         never reach the code after their cut); what it logs is relayed to every rank, like the steps' logs."""
@@ -459,7 +481,7 @@ class ClappingStrategy(ParallelStrategy):
                 return module.training_step(mb, batch_idx, *args, **kwargs)
 
         seed = (lambda j: _mix(self._rng_base, batch_id, self.stage, j)) if self.freeze_rng else None
-        with self.precision_plugin.train_step_context():
+        with self._stage_errors(), self.precision_plugin.train_step_context():
             outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed)
         loss = None
         if self.executor.is_last:
@@ -562,7 +584,8 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
-        outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
+        with self._stage_errors():
+            outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
             self._share_step_results(None, None, sum(sizes))
@@ -850,6 +873,34 @@ class ClappingStrategy(ParallelStrategy):
         strategy_registry.register(
             "clapping", cls, description="Pipeline-parallel training with compressed inter-stage messages"
         )
+
+
+class StageFailure(RuntimeError):
+    """Another stage failed; the message names it and its exception."""
+
+
+def _is_peer_loss(err: BaseException) -> bool:
+    text = str(err)
+    return isinstance(err, dist.DistBackendError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out"))
+
+
+def _peer_failure(store: Any, world_size: int, wait: float = 3.0) -> str | None:
+    """The first reason another rank left in the store that is not itself a lost connection (waits briefly)."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = None
+        for rank in range(1, world_size):
+            key = f"clapping/failure/{rank}"
+            with contextlib.suppress(Exception):
+                if store.check([key]):
+                    text = store.get(key).decode()
+                    if not any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe")):
+                        return text
+                    found = found or text
+        if time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")

@@ -95,3 +95,11 @@ def test_when_rank0_dies_the_other_stages_stop_after_the_timeout(tmp_path):
     proc = launch("failing_run.py", "rank0_dies", cwd=tmp_path, expect_ok=False, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - start < 120
+
+
+def test_rank0_names_the_stage_that_failed_and_its_exception(tmp_path):
+    proc = launch("failing_run.py", "child_raises", cwd=tmp_path, expect_ok=False, timeout=180)
+    assert proc.returncode != 0
+    rank0 = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]")]
+    assert any("StageFailure: stage 0 (rank 1) failed: ValueError: boom in the first stage" in line
+               for line in rank0), "\n".join(rank0[-15:])

@@ -1,6 +1,6 @@
 """Runs that must fail cleanly (a clear message, every process ends).
 
-python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies
+python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies | child_raises
 """
 
 import os
@@ -37,6 +37,13 @@ class SkipAcrossTheCut(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class RaisesAtStep(SequentialMLP):
+    def training_step(self, batch, i):
+        if i == 2 and self.trainer.global_rank == 1:
+            raise ValueError("boom in the first stage")
+        return super().training_step(batch, i)
+
+
 class DiesAtStep(SequentialMLP):
     def __init__(self, rank_to_die):
         super().__init__()
@@ -59,6 +66,8 @@ def main(case):
         model, batch_size, microbatches = SequentialMLP(), 4, 8
     elif case == "child_dies":
         model = DiesAtStep(rank_to_die=1)
+    elif case == "child_raises":
+        model = RaisesAtStep()
     elif case == "rank0_dies":
         model, timeout = DiesAtStep(rank_to_die=0), timedelta(seconds=15)
     else:
