@@ -1,7 +1,9 @@
 """``ClappingStrategy``: the Lightning side of the pipeline.
 
-One process per stage. Every process runs the user's script, builds the whole LightningModule, and then keeps only
-its own stage's parameters (the rest move to the meta device). Each training step splits the batch into
+One process per stage. Every process runs the user's script and keeps only its own stage's tensors: a model built
+eagerly is cut after it was built (the other stages move to the meta device); one built in ``configure_model()`` or
+under ``trainer.init_module(empty_init=True)`` is built on the meta device and each rank materializes only its
+stage (:mod:`lightning_clapping.materialize`). Each training step splits the batch into
 micro-batches, runs the schedule (forwards and backwards of all micro-batches, messages between neighbours), and
 hands Lightning a finished set of gradients: Lightning's own ``zero_grad`` and ``backward`` are turned into no-ops
 that still fire the user's hooks, and the optimizer step, schedulers, gradient clipping (by the norm of the *whole*
