@@ -1,6 +1,7 @@
 """Time on a real slow network: the char-LM pipeline over shaped links, uncompressed against Clapping.
 
     python benchmarks/slow_network.py [--quick | --tiny] [--out benchmarks/results]     (as root, Linux)
+    python benchmarks/slow_network.py --links 100@0 100@25 25@25 [--validate-only]    (links with one-way delay)
 
 Every rank of a 4-stage pipeline runs in its own network namespace; the namespaces hang off a bridge through veth
 links whose egress is limited by ``tc ... tbf rate R burst 8kb latency 100ms`` (see ``benchmarks/_netns.py``), so
@@ -11,6 +12,19 @@ with all ranks in one namespace on its loopback. The script builds the namespace
 ``NODE_RANK``, ``LOCAL_RANK=0``, ``GLOO_SOCKET_IFNAME``; the Trainer uses ``devices=1, num_nodes=4`` and
 Lightning's default LightningEnvironment reads those variables), and deletes everything it created at exit, also
 on failure or on SIGINT/SIGTERM/SIGHUP.
+
+Links with one-way delay (``--links RATE@DELAY``, e.g. ``100@25``, or ``--delay-ms D`` for every link given without
+one): this kernel has no netem, so such a link is made in user space (``benchmarks/_delay_link.py``): each stage
+namespace also has a TUN device ``d<i>`` (address 10.77.1.<i+1>, MTU 1500), and one relay process moves every packet
+between them with the link rate per sender (no burst), a queue bound of ``--latency`` (tail drop, like tbf's) and the
+delay: a packet from one stage reaches any other ``DELAY`` ms after its last bit left the sender, so the round trip is
+2 x DELAY. ``100@0`` is the same relay without delay: compare 0 and 25 ms on one mechanism. A link without ``@`` is the
+kernel veth + tbf link as before. Each configured link is checked before its runs: a UDP echo between two stage
+namespaces gives the round-trip time (expect 2 x delay) and a 2-second TCP transfer the throughput (TCP payload, at
+most 1448/1500 of the rate); the table is printed with the results and saved under ``links`` in the JSON, and every
+run on a delayed link records the relay's own counters (``relay``: drops, how late it delivered, its CPU time).
+``--validate-only`` builds the links, prints that table and exits. On a delayed link a synchronous step cannot be shorter than the loopback step plus 2 x (stages - 1) x
+delay (fill and drain): the report gives that floor ("delay floor").
 
 Model and data: ``CharTransformer(vocab, block_size=128, d=128, heads=4, layers=4)`` from examples/char_lm.py, one
 block per stage, Shakespeare windows of 128 characters, batch 32, 8 micro-batches, 1F1B, AdamW with warm-up; fp32
@@ -34,7 +48,7 @@ meanwhile (column "other"; the script warns when it exceeds 0.2), so disturbed n
 Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test, under a minute), ``--quick`` (60 steps,
 about 10 minutes with 4 ranks on 2 cores, most of it the uncompressed run at 25 Mbit/s and process start-up), default
 (400 steps). Results: ``slow_network.json`` (everything, per step), ``.csv`` (one row per run) and ``.png`` under
-``--out``.
+``--out``; ``--validate-only`` writes ``slow_network_links.json`` (under ``--out``, default a temp folder).
 """
 
 from __future__ import annotations
@@ -60,7 +74,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _netns import Endpoint, Lab, unavailable_reason  # noqa: E402
+from _netns import Endpoint, Lab, NetnsError, delay_unavailable_reason, unavailable_reason  # noqa: E402
 
 MiB = 1 << 20
 
@@ -68,6 +82,47 @@ MiB = 1 << 20
 # ====================================================================================================================
 # What to run
 # ====================================================================================================================
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One network setting the variants run on: a rate, and a one-way delay or None (kernel veth + tbf, no relay)."""
+
+    rate_mbit: float
+    delay_ms: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.rate_mbit:g} Mbit/s" + ("" if self.delay_ms is None else f" {self.delay_ms:g} ms")
+
+    @property
+    def key(self) -> str:
+        return f"{self.rate_mbit:g}mbit" + ("" if self.delay_ms is None else f"_{self.delay_ms:g}ms")
+
+    @property
+    def kind(self) -> str:
+        return "veth+tbf" if self.delay_ms is None else "tun+relay"
+
+
+def parse_link(text: str) -> LinkSpec:
+    """``100`` (veth + tbf), ``100@25`` or ``100@25ms`` (the relay, 25 ms each way), ``100@0`` (relay, no delay)."""
+    rate, sep, delay = text.strip().partition("@")
+    try:
+        spec = LinkSpec(float(rate), float(delay.removesuffix("ms")) if sep else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a link is RATE or RATE@DELAY_MS (Mbit/s, ms), e.g. 100 or 100@25; got "
+                                         f"{text!r}") from None
+    if spec.rate_mbit <= 0 or (spec.delay_ms is not None and spec.delay_ms < 0):
+        raise argparse.ArgumentTypeError(f"rate must be > 0 and delay >= 0, got {text!r}")
+    return spec
+
+
+def _ms(text: str) -> float:
+    """tc-style time (``100ms``, ``0.1s``, ``500us``) in milliseconds."""
+    for suffix, scale in (("ms", 1.0), ("us", 1e-3), ("s", 1e3)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text) * 1e-3  # tc reads a bare number as microseconds
 
 
 @dataclass(frozen=True)
@@ -93,7 +148,7 @@ class Mode:
     val_every: int = 25
     val_batches: int = 8
     skip: int = 10  # first steps left out of the median step time
-    links: list[float] = field(default_factory=lambda: [100.0, 25.0])  # Mbit/s
+    links: list[LinkSpec] = field(default_factory=lambda: [LinkSpec(100.0), LinkSpec(25.0)])
     data_limit: int | None = None
     seed: int = 0
 
@@ -101,7 +156,7 @@ class Mode:
 def make_mode(args: argparse.Namespace) -> Mode:
     if args.tiny:
         mode = Mode("tiny", stages=2, d=32, heads=2, layers=2, block=32, batch=8, microbatches=2, steps=3,
-                    val_every=3, val_batches=1, skip=1, links=[100.0], data_limit=256)
+                    val_every=3, val_batches=1, skip=1, links=[LinkSpec(100.0)], data_limit=256)
     elif args.quick:
         mode = Mode("quick", steps=60, val_every=20, val_batches=4, skip=5)
     else:
@@ -111,6 +166,8 @@ def make_mode(args: argparse.Namespace) -> Mode:
             setattr(mode, name, getattr(args, name))
     if args.links is not None:
         mode.links = list(args.links)
+    if args.delay_ms is not None:  # every link given without its own delay gets this one
+        mode.links = [LinkSpec(x.rate_mbit, args.delay_ms) if x.delay_ms is None else x for x in mode.links]
     if mode.steps % mode.val_every:
         raise SystemExit(f"--steps ({mode.steps}) must be a multiple of --val-every ({mode.val_every}), so the last "
                          "step is validated")
@@ -383,11 +440,12 @@ def _raise_on_signal(signum, frame):
 # ====================================================================================================================
 
 
-def summarize(raw: dict, mode: Mode, link: float | None, variant: Variant, counters: dict | None) -> dict:
+def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, counters: dict | None) -> dict:
     """One run's numbers from the workers' records (rank 0 holds the last stage and the logged metrics)."""
-    row = {"link": "loopback" if link is None else f"{link:g} Mbit/s", "rate_mbit": link, "variant": variant.label,
-           "kind": variant.variant, "p": variant.p, "error": raw.get("error"), "wall_seconds": raw["wall_seconds"],
-           "other_cores": raw.get("other_cores"), "warning": raw.get("warning")}
+    row = {"link": "loopback" if link is None else link.label, "rate_mbit": None if link is None else link.rate_mbit,
+           "delay_ms": None if link is None else link.delay_ms, "link_kind": "loopback" if link is None else link.kind,
+           "variant": variant.label, "kind": variant.variant, "p": variant.p, "error": raw.get("error"),
+           "wall_seconds": raw["wall_seconds"], "other_cores": raw.get("other_cores"), "warning": raw.get("warning")}
     if raw.get("error"):
         return row
     S = mode.stages
@@ -445,12 +503,15 @@ def summarize(raw: dict, mode: Mode, link: float | None, variant: Variant, count
         row["counters_whole_run"] = counters
         busiest = max(per_rank, key=lambda e: e["veth_tx_in_steps"])
         # the wire time of the busiest interface alone, per step: a floor under the step time at this rate
-        row["wire_floor_step_s"] = busiest["veth_tx_in_steps"] * 8 / (link * 1e6) / len(steps)
+        row["wire_floor_step_s"] = busiest["veth_tx_in_steps"] * 8 / (link.rate_mbit * 1e6) / len(steps)
         row["veth_over_strategy"] = (sum(e["veth_tx_in_steps"] for e in per_rank)
                                      / max(1.0, sum(e["strategy_sent_bytes"] for e in per_rank)))
         if counters:
             row["tbf_overlimits"] = sum(c.get("qdisc_overlimits", 0) for c in counters.values())
             row["tbf_drops"] = sum(c.get("qdisc_drops", 0) for c in counters.values())
+            if link.delay_ms is not None:
+                row["relay_queue_drops"] = sum(c.get("relay_queue_drops", 0) for c in counters.values())
+                row["relay_wire_bytes"] = sum(c.get("relay_wire_bytes", 0) for c in counters.values())
     return row
 
 
@@ -488,27 +549,35 @@ def add_comparisons(rows: list[dict]) -> None:
         r["ttt_speedup"] = (base_ttt / r["time_to_target_s"]) if base_ttt and r["time_to_target_s"] else None
         r["step_speedup"] = base["median_step_s"] / r["median_step_s"] if base else None
         r["mean_step_speedup"] = base["mean_step_s"] / r["mean_step_s"] if base else None
+        if r.get("delay_ms") is not None and loop:
+            # fill and drain: every step waits at least once for each boundary forward and once backward
+            stages = len(r["per_rank"])
+            r["delay_floor_step_s"] = loop["median_step_s"] + 2 * (stages - 1) * r["delay_ms"] / 1000
+            r["x_delay_floor"] = r["median_step_s"] / r["delay_floor_step_s"]
 
 
 def evaluate_targets(rows: list[dict]) -> list[dict]:
-    def find(rate, kind):
-        return next((r for r in rows if r["rate_mbit"] == rate and r["kind"] == kind and not r["error"]), None)
+    """The project's targets on every link of rate 100 or 25 Mbit/s (each delay its own link, named by its label)."""
 
-    def fc_specs(rate: float, row: dict | None, name: str) -> list[tuple]:
+    def find(link, kind):
+        return next((r for r in rows if r["link"] == link and r["kind"] == kind and not r["error"]), None)
+
+    def fc_specs(rate: float, link: str, row: dict | None, name: str) -> list[tuple]:
         if rate == 100.0:
-            return [(f"100 Mbit/s: {name} step time <= 1.15x loopback step time", row, "x_loopback_step", 1.15, "<="),
-                    (f"100 Mbit/s: {name} time-to-target >= 2x shorter than uncompressed", row, "ttt_speedup", 2.0,
-                     ">=")]
-        return [(f"25 Mbit/s: {name} time-to-target >= 4x shorter than uncompressed", row, "ttt_speedup", 4.0, ">=")]
+            return [(f"{link}: {name} step time <= 1.15x loopback step time", row, "x_loopback_step", 1.15, "<="),
+                    (f"{link}: {name} time-to-target >= 2x shorter than uncompressed", row, "ttt_speedup", 2.0, ">=")]
+        return [(f"{link}: {name} time-to-target >= 4x shorter than uncompressed", row, "ttt_speedup", 4.0, ">=")]
 
     out, specs = [], []
     for rate in (100.0, 25.0):
-        # the first clapping-fc run of a link is the main one; the others (--fc-extra) are named by their label
-        main = find(rate, "clapping-fc")
-        specs += fc_specs(rate, main, "clapping-fc")
-        for extra in (r for r in rows if r["rate_mbit"] == rate and r["kind"] == "clapping-fc" and not r["error"]
-                      and r is not main):
-            specs += fc_specs(rate, extra, extra["variant"])
+        links = list(dict.fromkeys(r["link"] for r in rows if r["rate_mbit"] == rate)) or [f"{rate:g} Mbit/s"]
+        for link in links:
+            # the first clapping-fc run of a link is the main one; the others (--fc-extra) are named by their label
+            main = find(link, "clapping-fc")
+            specs += fc_specs(rate, link, main, "clapping-fc")
+            for extra in (r for r in rows if r["link"] == link and r["kind"] == "clapping-fc" and not r["error"]
+                          and r is not main):
+                specs += fc_specs(rate, link, extra, extra["variant"])
     for text, row, key, bound, op in specs:
         value = row.get(key) if row else None
         if row is None:
@@ -539,19 +608,19 @@ TABLE_LEGEND = (
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'link':<12} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'MiB/step':>8} "
+    head = (f"{'link':<16} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'MiB/step':>8} "
             f"{'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} {'to target s':>11} "
             f"{'x unc':>6} {'other':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
         if r["error"]:
-            print(f"{r['link']:<12} {r['variant']:<24} FAILED: {r['error']}")
+            print(f"{r['link']:<16} {r['variant']:<24} FAILED: {r['error']}")
             continue
         ttt = (f"{r['time_to_target_s']:.1f} @{r['target_step']}" if r.get("time_to_target_s") is not None
                else "not reached")
         mib = r["bytes_per_step"] / MiB if r["bytes_per_step"] is not None else None
-        print(f"{r['link']:<12} {r['variant']:<24} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
+        print(f"{r['link']:<16} {r['variant']:<24} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
               f"{_fmt(r.get('x_loopback_step'), '.2f'):>7} {_fmt(r.get('step_speedup'), '.2f'):>6} "
               f"{_fmt(mib, '.3f'):>8} {_fmt(r.get('fewer_bytes_x'), '.1f'):>6} "
               f"{_fmt(r.get('veth_over_strategy'), '.3f'):>8} "
@@ -562,14 +631,127 @@ def print_table(rows: list[dict]) -> None:
     print(textwrap.fill(TABLE_LEGEND, width=118))
 
 
-def plot(rows: list[dict], links: list[float], burst: str, path: Path) -> None:
+# ====================================================================================================================
+# Links: set up, and checked against their configuration
+# ====================================================================================================================
+
+# what TCP can carry at most: 1448 payload bytes (MSS with timestamps) per 1500-byte IP packet; tbf also counts the
+# 14-byte Ethernet header of each frame on a veth, the relay counts IP bytes
+PAYLOAD_SHARE = {"veth+tbf": 1448 / 1514, "tun+relay": 1448 / 1500}
+RTT_SLACK_MS = 15.0  # a check passes with the RTT median in [2 x delay, 2 x delay + this] and the throughputs in:
+THROUGHPUT_BOUNDS = (0.6, 1.1)  # x the configured rate
+MEASURED = ("rtt_ms_min", "rtt_ms_median", "rtt_ms_max", "rtt_samples", "ping_lost", "owd_ms_there", "owd_ms_back",
+            "owd_ms_there_min", "owd_ms_back_min", "tcp_connect_ms", "congestion_control", "bytes", "seconds",
+            "mbit_s", "steady_mbit_s")  # what _delay_link.measure returns
+
+
+def shaping_text(link: LinkSpec, args: argparse.Namespace) -> str:
+    if link.delay_ms is None:
+        return f"veth, tbf burst {args.burst} latency {args.latency}"
+    return f"TUN + relay, per-sender rate without burst, queue {_ms(args.latency):g} ms, delay {link.delay_ms:g} ms"
+
+
+def configure_link(lab: Lab, link: LinkSpec, args: argparse.Namespace, stage_eps: list[Endpoint],
+                   delay_eps: list[Endpoint]) -> list[Endpoint]:
+    """Make every stage link ``link`` (reshape the veths, or restart the relay); returns the endpoints to use."""
+    if link.delay_ms is None:
+        lab.shape(link.rate_mbit, args.burst, args.latency)
+        return stage_eps
+    lab.set_delay_links(link.rate_mbit, link.delay_ms, _ms(args.latency))
+    return delay_eps
+
+
+def relay_summary(stats: dict | None) -> dict | None:
+    """The relay's counters over all stage links: what it carried, dropped, and how late it delivered."""
+    if not stats:
+        return None
+    ports = stats["ports"]
+
+    def worst(key):
+        values = [p[key] for p in ports if p[key] is not None]
+        return max(values) if values else None
+
+    return {"uptime_s": stats["uptime_s"], "cpu_s": stats["cpu_s"],
+            "packets": sum(p["rx_packets"] for p in ports), "frames": sum(p["frames"] for p in ports),
+            "wire_bytes": sum(p["wire_bytes"] for p in ports), "queue_drops": sum(p["queue_drops"] for p in ports),
+            "unroutable": sum(p["unroutable"] for p in ports), "write_errors": sum(p["write_errors"] for p in ports),
+            "late_ms_p50_worst_link": worst("late_ms_p50"), "late_ms_p99_worst_link": worst("late_ms_p99"),
+            "late_ms_max": worst("late_ms_max"), "max_queue_ms": max(p["max_queue_us"] for p in ports) / 1000}
+
+
+def check_link(lab: Lab, link: LinkSpec, endpoints: list[Endpoint], args: argparse.Namespace) -> dict:
+    """What the configured link really does between the first two stage namespaces: round-trip time of a UDP echo
+    (expect 2 x delay) and the throughput of a 2-second TCP transfer (expect the rate, less the header share)."""
+    try:
+        m = lab.measure(endpoints[0], endpoints[1], pings=20, seconds=2.0)
+    except NetnsError as err:  # recorded and printed; the runs on this link still go ahead
+        m = dict.fromkeys(MEASURED, None)
+        m["error"] = str(err)
+    expect = 2 * (link.delay_ms or 0.0)
+    rec = {"link": link.label, "rate_mbit": link.rate_mbit, "delay_ms": link.delay_ms, "link_kind": link.kind,
+           "shaping": shaping_text(link, args), "from": endpoints[0].addr, "to": endpoints[1].addr,
+           "expected_rtt_ms": expect, "payload_ceiling_mbit_s": link.rate_mbit * PAYLOAD_SHARE[link.kind], **m}
+    rec["throughput_ratio"] = m["steady_mbit_s"] / link.rate_mbit if m["steady_mbit_s"] else None
+    rec["throughput_ratio_whole"] = m["mbit_s"] / link.rate_mbit if m["mbit_s"] else None
+    problems = [f"measurement failed: {m['error']}"] if m.get("error") else []
+    if m["rtt_ms_median"] is None or not expect <= m["rtt_ms_median"] <= expect + RTT_SLACK_MS:
+        problems.append(f"RTT median {_fmt(m['rtt_ms_median'], '.2f')} ms not in [{expect:g}, "
+                        f"{expect + RTT_SLACK_MS:g}]")
+    if m["rtt_ms_min"] is not None and m["rtt_ms_min"] < expect:
+        problems.append(f"a round trip ({m['rtt_ms_min']:.2f} ms) was shorter than 2 x delay")
+    for way in ("there", "back"):
+        low = m[f"owd_ms_{way}_min"]
+        if low is not None and low < (link.delay_ms or 0.0):
+            problems.append(f"a packet arrived {way} after {low:.2f} ms, before the one-way delay")
+    lo, hi = THROUGHPUT_BOUNDS
+    for key in ("throughput_ratio", "throughput_ratio_whole"):
+        if rec[key] is None or not lo <= rec[key] <= hi:
+            problems.append(f"{key} {_fmt(rec[key], '.2f')} not in [{lo}, {hi}]")
+    rec["problems"] = problems
+    rec["verdict"] = "ok" if not problems else "FAILED" if m.get("error") else "OFF"
+    rec["relay"] = relay_summary(lab.relay_stats()) if link.delay_ms is not None else None
+    return rec
+
+
+LINK_LEGEND = (
+    "RTT: UDP echo of 64 bytes between stage namespaces 0 and 1, 20 samples one at a time (min/median/max); expect: "
+    "2 x one-way delay; one-way: median delay there (0 -> 1) / back, ms, from the clock all namespaces share; TCP: "
+    "payload received per second in a 2-second transfer (bulk: median of 100 ms intervals in its "
+    "second half, whole: from accept to the last byte, TCP start-up included); /rate: bulk / configured rate (TCP "
+    f"payload is at most 1448/1500 of it, 1448/1514 on tbf, which counts Ethernet headers); ok: RTT median in [expect, "
+    f"expect + {RTT_SLACK_MS:g} ms], no round trip under expect and no packet faster than the delay, both rates in "
+    f"{list(THROUGHPUT_BOUNDS)} x rate; drops, "
+    "late: the relay's queue drops and how late it delivered (p99 of the worst link, ms) during the check."
+)
+
+
+def print_link_checks(checks: list[dict]) -> None:
+    head = (f"{'link':<16} {'kind':<9} {'RTT ms min/med/max':>22} {'expect':>6} {'one-way':>11} {'TCP bulk':>8} "
+            f"{'whole':>6} {'/rate':>5} {'ok':>6} {'drops':>5} {'late':>5}")
+    print(head)
+    print("-" * len(head))
+    for c in checks:
+        relay = c.get("relay") or {}
+        rtt = "/".join(_fmt(c[k], ".2f") for k in ("rtt_ms_min", "rtt_ms_median", "rtt_ms_max"))
+        one_way = f"{_fmt(c['owd_ms_there'], '.1f')}/{_fmt(c['owd_ms_back'], '.1f')}"
+        print(f"{c['link']:<16} {c['link_kind']:<9} {rtt:>22} {c['expected_rtt_ms']:>6.0f} {one_way:>11} "
+              f"{_fmt(c['steady_mbit_s'], '.1f'):>8} {_fmt(c['mbit_s'], '.1f'):>6} "
+              f"{_fmt(c['throughput_ratio'], '.2f'):>5} {c['verdict']:>6} "
+              f"{_fmt(relay.get('queue_drops'), 'd'):>5} {_fmt(relay.get('late_ms_p99_worst_link'), '.2f'):>5}")
+    for c in checks:
+        for problem in c["problems"]:
+            print(f"  WARNING {c['link']}: {problem}")
+    print(textwrap.fill(LINK_LEGEND, width=118))
+
+
+def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if not r["error"]]
-    groups = ["loopback"] + [f"{x:g} Mbit/s" for x in links]
+    groups = ["loopback"] + [x.label for x in links]
     labels = list(dict.fromkeys(r["variant"] for r in ok))
     fig, axes = plt.subplots(1, 1 + len(links), figsize=(5.5 * (1 + len(links)), 4.3))
     ax = axes[0]
@@ -589,7 +771,7 @@ def plot(rows: list[dict], links: list[float], burst: str, path: Path) -> None:
     ax.set_title("step time per link (rank 0, warm-up left out)")
     ax.legend(fontsize=8)
     for ax, link in zip(axes[1:], links):
-        name = f"{link:g} Mbit/s"
+        name = link.label
         target = None
         for r in ok:
             if r["link"] != name:
@@ -602,7 +784,7 @@ def plot(rows: list[dict], links: list[float], burst: str, path: Path) -> None:
             ax.axhline(target, color="grey", ls="--", lw=1, label="target (uncompressed final)")
         ax.set_xlabel("training wall time (s, validation excluded)")
         ax.set_ylabel("validation loss")
-        ax.set_title(f"{name}, tbf burst {burst}")
+        ax.set_title(f"{name}: {shaping[name]}", fontsize=9)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -620,11 +802,12 @@ def machine() -> dict:
 
 
 CSV_FIELDS = [
-    "link", "variant", "kind", "p", "error", "steps", "median_step_s", "mean_step_s", "p10_step_s", "p90_step_s",
-    "x_loopback_step", "step_speedup", "mean_step_speedup", "bytes_per_step", "median_bytes_per_step",
-    "fp32_bytes_per_step", "fewer_bytes_x", "veth_over_strategy", "wire_floor_step_s", "tbf_overlimits", "tbf_drops",
-    "final_val_loss", "target_val_loss", "time_to_target_s", "target_step", "ttt_speedup", "train_seconds",
-    "distinct_samples", "other_cores", "load_before", "load_after", "wall_seconds", "warning",
+    "link", "delay_ms", "link_kind", "variant", "kind", "p", "error", "steps", "median_step_s", "mean_step_s",
+    "p10_step_s", "p90_step_s", "x_loopback_step", "step_speedup", "mean_step_speedup", "bytes_per_step",
+    "median_bytes_per_step", "fp32_bytes_per_step", "fewer_bytes_x", "veth_over_strategy", "wire_floor_step_s",
+    "delay_floor_step_s", "x_delay_floor", "tbf_overlimits", "tbf_drops", "relay_queue_drops", "final_val_loss",
+    "target_val_loss", "time_to_target_s", "target_step", "ttt_speedup", "train_seconds", "distinct_samples",
+    "other_cores", "load_before", "load_after", "wall_seconds", "warning",
 ]
 
 
@@ -640,9 +823,16 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_true", help="smoke test: 2 stages, tiny model, 3 steps, one link")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for the JSON, CSV and PNG (default benchmarks/results; --tiny: a temp folder)")
-    ap.add_argument("--links", type=float, nargs="+", default=None, help="link rates in Mbit/s (default 100 25)")
+    ap.add_argument("--links", type=parse_link, nargs="+", default=None, metavar="RATE[@DELAY]",
+                    help="links in Mbit/s, each optionally with a one-way delay in ms: 100 (kernel veth + tbf), "
+                         "100@25 (user-space relay, 25 ms each way), 100@0 (relay, no delay) (default: 100 25)")
+    ap.add_argument("--delay-ms", type=float, default=None,
+                    help="one-way delay for every link given without @DELAY (then all go through the relay)")
+    ap.add_argument("--validate-only", action="store_true",
+                    help="set up each link, print its measured RTT and throughput against its configuration, exit")
     ap.add_argument("--burst", default="8kb", help="tbf burst (keep it small, or small messages escape the shaping)")
-    ap.add_argument("--latency", default="100ms", help="tbf latency (queue limit)")
+    ap.add_argument("--latency", default="100ms",
+                    help="tbf latency (queue limit); on delayed links the relay's queue bound (tail drop)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--val-every", type=int, default=None)
     ap.add_argument("--val-batches", type=int, default=None)
@@ -669,11 +859,14 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker)
         return 0
 
-    reason = unavailable_reason()
+    mode = make_mode(args)
+    delayed = any(x.delay_ms is not None for x in mode.links)
+    reason = delay_unavailable_reason() if delayed else unavailable_reason()
     if reason:
         print(f"slow_network: cannot run: {reason}", file=sys.stderr)
         return 2
-    mode = make_mode(args)
+    if args.validate_only:
+        return validate_only(mode, args)
     variants = make_variants(args)
     loop_variants = variants[:1] if (args.no_loopback_fc or args.tiny) else variants[:2]
     out = args.out or (Path(tempfile.gettempdir()) / "slow_network_tiny" if args.tiny else ROOT / "benchmarks/results")
@@ -684,6 +877,7 @@ def main(argv: list[str] | None = None) -> int:
     base_cfg.update(cuts=cuts, threads=args.threads, strategy_timeout=300)
     info = machine()
     settings = dict(asdict(mode), budget=args.budget, burst=args.burst, latency=args.latency,
+                    shaping={x.label: shaping_text(x, args) for x in mode.links},
                     threads_per_rank=args.threads,
                     split_points=[f"blocks.{c}" for c in cuts], schedule="1f1b", optimizer="AdamW lr 1e-3 wd 0.01, "
                     "linear warm-up 20 steps (examples/char_lm.py)", prepost_receives="strategy default (on for gloo)",
@@ -697,8 +891,8 @@ def main(argv: list[str] | None = None) -> int:
           f"micro-batches, 1F1B, {mode.steps} steps, validation every {mode.val_every} steps on {mode.val_batches} "
           f"fixed batches, median over steps > {mode.skip}, seed {mode.seed}, {args.threads} thread(s) per rank"
           + (f", compressed variants up to {args.budget:g}x the steps" if args.budget != 1.0 else ""))
-    print(f"links: {', '.join(f'{x:g} Mbit/s' for x in mode.links)} (tbf burst {args.burst}, latency {args.latency}) "
-          f"and loopback; fp32 message per boundary and direction per step: "
+    print(f"links: {'; '.join(f'{x.label} ({shaping_text(x, args)})' for x in mode.links)}; and loopback; fp32 "
+          f"message per boundary and direction per step: "
           f"{fp32_message_bytes(mode) / MiB:.3f} MiB")
     print(f"variants: {', '.join(v.label for v in variants)} (codecs {args.forward_codec} forward / "
           f"{args.backward_codec} backward); on loopback: {', '.join(v.label for v in loop_variants)}\n")
@@ -710,33 +904,45 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on_signal)
     rows: list[dict] = []
+    checks: list[dict] = []
     t_all = time.monotonic()
     try:
-        stage_eps = lab.build_star(mode.stages)
+        stage_eps, delay_eps = build_links(lab, mode)
         loop_ep = lab.build_loopback()
-        plan: list[tuple[float | None, Variant]] = [(None, v) for v in loop_variants]
+        plan: list[tuple[LinkSpec | None, Variant]] = [(None, v) for v in loop_variants]
         plan += [(link, v) for link in mode.links for v in variants]
+        checked = None
         for i, (link, variant) in enumerate(plan):
+            if link is not None and link != checked:  # a new link: measure what it really does, before its runs
+                checked = link
+                checks.append(check_link(lab, link, configure_link(lab, link, args, stage_eps, delay_eps), args))
+                c = checks[-1]
+                print(f"link {link.label}: RTT {_fmt(c['rtt_ms_median'], '.2f')} ms (expect {c['expected_rtt_ms']:g}),"
+                      f" TCP {_fmt(c['steady_mbit_s'], '.1f')} Mbit/s bulk, {_fmt(c['mbit_s'], '.1f')} whole: "
+                      f"{c['verdict']}" + (f" ({'; '.join(c['problems'])})" if c["problems"] else ""))
             fp32 = fp32_message_bytes(mode)
-            wire = 0.0 if link is None else 2 * fp32 * 8 / (link * 1e6)  # busiest veth, uncompressed, per step
+            wire = 0.0 if link is None else 2 * fp32 * 8 / (link.rate_mbit * 1e6)  # busiest link, fp32, per step
+            # a delayed link: at most one wait per micro-batch, boundary and direction (a generous bound)
+            lag = 0.0 if link is None else 2 * (mode.stages - 1) * (mode.microbatches + 2) * (link.delay_ms or 0) / 1e3
             n_steps = max(mode.steps, round(mode.steps * args.budget))
             n_vals = n_steps // mode.val_every
-            timeout = 180 + 4 * (n_steps * (wire + 0.6) + n_vals * mode.val_batches * (wire / 2 + 0.3))
+            timeout = 180 + 4 * (n_steps * (wire + lag + 0.6) + n_vals * mode.val_batches * (wire / 2 + lag + 0.3))
             cfg = dict(base_cfg, variant=asdict(variant))
             if variant.variant != "uncompressed" and args.budget != 1.0:
                 cfg["steps"] = max(mode.val_every, round(mode.steps * args.budget / mode.val_every) * mode.val_every)
-            name = "loopback" if link is None else f"{link:g}mbit"
+            name = "loopback" if link is None else link.key
             key = f"{i:02d}_{name}_{variant.label.replace(' ', '_').replace('=', '')}"
             if link is None:
                 endpoints, before = [loop_ep] * mode.stages, None
-            else:
-                lab.shape(link, args.burst, args.latency)
-                endpoints, before = stage_eps, lab.counters()
+            else:  # each run on a fresh link: tbf reshaped, or a new relay (its counters then cover this run only)
+                endpoints = configure_link(lab, link, args, stage_eps, delay_eps)
+                before = lab.counters(endpoints)
             load_before = os.getloadavg()[0]
-            print(f"[{i + 1}/{len(plan)}] {name:<9} {variant.label:<24} ...", end=" ", flush=True)
+            print(f"[{i + 1}/{len(plan)}] {name:<14} {variant.label:<24} ...", end=" ", flush=True)
             raw = runner.run(key, cfg, endpoints, timeout)
-            counters = Lab.delta(before, lab.counters()) if before is not None else None
+            counters = Lab.delta(before, lab.counters(endpoints)) if before is not None else None
             row = summarize(raw, mode, link, variant, counters)
+            row["relay"] = relay_summary(lab.relay_stats()) if link is not None and link.delay_ms is not None else None
             row["load_before"], row["load_after"] = load_before, os.getloadavg()[0]
             rows.append(row)
             if row["error"]:
@@ -755,18 +961,29 @@ def main(argv: list[str] | None = None) -> int:
 
     add_comparisons(rows)
     targets = evaluate_targets(rows)
+    print("\nlinks as measured before their runs (configured rate and delay against what a ping and a TCP transfer "
+          "saw):")
+    print_link_checks(checks)
     print()
     print_table(rows)
-    print(f"\nshaping check (tbf burst {args.burst}; overlimits/drops: whole run, all stage veths; veth/strategy: "
-          "bytes out of each rank's veth during its training steps / bytes the strategy counted for that rank):")
+    print(f"\nshaping check (tbf burst {args.burst}; overlimits/drops: whole run, all stage veths; relay: queue drops, "
+          "and how late it delivered, p99 of the worst link / max, ms; veth/strategy: bytes out of each rank's "
+          "interface during its training steps / bytes the strategy counted for that rank):")
     for r in (r for r in rows if r["rate_mbit"] is not None and not r["error"]):
         ratios = ", ".join(_fmt(e.get("veth_over_strategy"), ".3f") for e in r["per_rank"])
-        print(f"  {r['link']:<11} {r['variant']:<24} {r.get('tbf_overlimits', 0):>8} overlimits "
-              f"{r.get('tbf_drops', 0):>4} drops; smallest message {r['min_message_bytes'] / 1024:6.1f} KiB; "
-              f"veth/strategy per rank {ratios}")
+        relay = r.get("relay")
+        if relay:
+            shaped = (f"relay {relay['queue_drops']:>5} drops, late {_fmt(relay['late_ms_p99_worst_link'], '.2f')}/"
+                      f"{_fmt(relay['late_ms_max'], '.1f')} ms, {relay['cpu_s']:.1f} s CPU")
+        else:
+            shaped = f"{r.get('tbf_overlimits', 0):>8} overlimits {r.get('tbf_drops', 0):>4} drops"
+        floor = (f"; step {r['x_delay_floor']:.2f}x the delay floor {r['delay_floor_step_s']:.3f} s"
+                 if r.get("x_delay_floor") else "")
+        print(f"  {r['link']:<16} {r['variant']:<24} {shaped}; smallest message "
+              f"{r['min_message_bytes'] / 1024:6.1f} KiB; veth/strategy per rank {ratios}{floor}")
     print("\nbytes per step and boundary from the strategy's logged clapping/b{m}_fwd_bytes / _bwd_bytes (mean over "
           f"steps, MiB; fp32 payload {fp32_message_bytes(mode) / MiB:.3f} MiB):")
-    for r in (r for r in rows if not r["error"] and r["rate_mbit"] == (mode.links[0] if mode.links else None)):
+    for r in (r for r in rows if not r["error"] and r["link"] == (mode.links[0].label if mode.links else None)):
         pairs = "  ".join(f"b{m} {f / MiB:.3f}/{b / MiB:.3f}" for m, (f, b) in
                           enumerate(zip(r["fwd_bytes_per_boundary"], r["bwd_bytes_per_boundary"])) if f and b)
         print(f"  {r['variant']:<24} fwd/bwd: {pairs}")
@@ -791,19 +1008,63 @@ def main(argv: list[str] | None = None) -> int:
     info["total_wall_seconds"] = time.monotonic() - t_all
     out.mkdir(parents=True, exist_ok=True)
     (out / "slow_network.json").write_text(json.dumps(
-        {"machine": info, "settings": settings, "runs": rows, "targets": targets}, indent=1, default=str))
+        {"machine": info, "settings": settings, "links": checks, "runs": rows, "targets": targets}, indent=1,
+        default=str))
     with open(out / "slow_network.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     try:
-        plot(rows, mode.links, args.burst, out / "slow_network.png")
+        plot(rows, mode.links, settings["shaping"], out / "slow_network.png")
         plotted = f" and {out / 'slow_network.png'}"
     except ImportError:
         plotted = " (no plot: matplotlib is not installed)"
     print(f"\nwrote {out / 'slow_network.json'}, {out / 'slow_network.csv'}{plotted} "
           f"({info['total_wall_seconds']:.0f} s in all)")
     return 1 if any(r["error"] for r in rows) else 0
+
+
+def build_links(lab: Lab, mode: Mode) -> tuple[list[Endpoint], list[Endpoint]]:
+    """The veth star if a link needs it, the delay star (TUN devices) if a link has a delay."""
+    stage_eps = lab.build_star(mode.stages) if any(x.delay_ms is None for x in mode.links) else []
+    delay_eps = (lab.build_delay_star(max(2, mode.stages)) if any(x.delay_ms is not None for x in mode.links)
+                 else [])
+    return stage_eps, delay_eps
+
+
+def validate_only(mode: Mode, args: argparse.Namespace) -> int:
+    """Build the links, measure each against its configuration, print the table, save it, tear down. Exit 1 if a
+    link is off its configuration."""
+    out = args.out or Path(tempfile.gettempdir()) / "slow_network_links"
+    print(f"links: {'; '.join(f'{x.label} ({shaping_text(x, args)})' for x in mode.links)}; "
+          f"{mode.stages} stage namespaces")
+    t0 = time.monotonic()
+    lab = Lab()
+    atexit.register(lab.teardown)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    checks = []
+    try:
+        stage_eps, delay_eps = build_links(lab, mode)
+        for link in mode.links:
+            endpoints = configure_link(lab, link, args, stage_eps, delay_eps)
+            checks.append(check_link(lab, link, endpoints, args))
+    except NetnsError as err:
+        print(f"slow_network: link set-up or measurement failed: {err}", file=sys.stderr)
+        return 2
+    finally:
+        lab.teardown()
+    print()
+    print_link_checks(checks)
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    (out / "slow_network_links.json").write_text(json.dumps(
+        {"machine": {"kernel": platform.release(), "logical_cpus": os.cpu_count(), "load_average_at_end": list(load)},
+         "settings": {"burst": args.burst, "latency": args.latency, "stages": mode.stages,
+                      "links": [asdict(x) for x in mode.links]}, "links": checks}, indent=1))
+    print(f"\nwrote {out / 'slow_network_links.json'} ({time.monotonic() - t0:.0f} s; load average "
+          f"{', '.join(f'{x:.2f}' for x in load)})")
+    return 0 if all(c["verdict"] == "ok" for c in checks) else 1
 
 
 if __name__ == "__main__":
