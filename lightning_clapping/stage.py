@@ -4,7 +4,9 @@ Every rank calls the user's unchanged ``training_step`` (or ``validation_step`` 
 makes a rank one *stage* is a thin wrapper around the ``forward`` of every unit of the partition:
 
 * units of earlier stages are not run: on the meta device the wrapper works out what they would return and hands
-  back tensors of that shape filled with NaN (placeholders that cost no parameters and never reach the result);
+  back tensors of that shape filled with NaN (placeholders that cost no parameters and never reach the result).
+  Tensors the module builds itself (``torch.ones(T, T)``, ``torch.arange(T)`` without ``device=``) land on the meta
+  device too; code the meta device cannot run is retried with fake tensors (see :meth:`StageRunner._stub`);
 * at the stage's first module (its *entry*) the tensors the forward passes in are replaced by the ones received
   from the previous stage;
 * at the next stage's first module (the *exit*) the tensors the forward would pass in are captured for sending and
@@ -180,29 +182,100 @@ class StageRunner:
         return tree_unflatten(leaves, spec)
 
     def _stub(self, name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """Placeholders shaped like what the skipped unit ``name`` would return for these inputs.
+
+        The output structure, shapes and dtypes are cached per unit and per input *signature* (tensor shapes and
+        dtypes, plain scalar values; see :func:`_signature`). That assumes they depend on nothing else: not on the
+        values inside the input tensors, nor on the module's Python state (``self.training``, a step counter). A module
+        whose output shape followed its inputs' values would be cached with the shape of its first call; in practice
+        such a module is refused instead, since neither the meta device nor fake tensors can read a value. A module
+        whose output changes with its Python state is not caught and would be cached wrongly.
+        """
         leaves, spec = tree_flatten((args, kwargs))
         key = (name, tuple(_signature(x) for x in leaves))
+        device = self._device(leaves)
         cached = self._stub_cache.get(key)
         if cached is None:
-            meta = [x.to("meta") if isinstance(x, Tensor) else x for x in leaves]
-            margs, mkwargs = tree_unflatten(meta, spec)
             try:
-                with torch.no_grad():
-                    out = original(*margs, **mkwargs)
-            except Exception as err:  # noqa: BLE001 - re-raised with the reason
-                raise SplitError(
-                    f"stage {self.stage} skips {name!r} (it runs on an earlier stage) and needs the shape of its "
-                    f"output, but the module cannot run on the meta device: {err}. Cut the model after this module's "
-                    "data-dependent code, or move that code into the first stage."
-                ) from err
+                out = self._run_on_meta(original, leaves, spec)
+            except Exception as err:  # noqa: BLE001 - retried with fake tensors, then re-raised with the reason
+                try:
+                    out = self._run_on_fake(name, original, leaves, spec, device)
+                except Exception as fake_err:  # noqa: BLE001
+                    raise SplitError(
+                        f"stage {self.stage} skips {name!r} (it runs on an earlier stage) and needs the shape of its "
+                        f"output, but the module cannot run on the meta device: {err}. Cut the model after this "
+                        "module's data-dependent code, or move that code into the first stage. (With fake tensors "
+                        f"it fails too: {type(fake_err).__name__}: {fake_err})"
+                    ) from err
             out_leaves, out_spec = tree_flatten(out)
-            template = [(x.shape, x.dtype) if isinstance(x, Tensor) else x for x in out_leaves]
+            template = [(tuple(x.shape), x.dtype) if isinstance(x, Tensor) else x for x in out_leaves]
             cached = (out_spec, template, [isinstance(x, Tensor) for x in out_leaves])
             self._stub_cache[key] = cached
         out_spec, template, is_tensor = cached
-        device = next((x.device for x in leaves if isinstance(x, Tensor) and x.device.type != "meta"), None)
         out = [_placeholder(t[0], t[1], device) if flag else t for t, flag in zip(template, is_tensor)]
         return tree_unflatten(out, out_spec)
+
+    def _device(self, leaves: list) -> torch.device | None:
+        """Where this stage's tensors live: its inputs' device, else its own parameters' (None: the default)."""
+        for x in leaves:
+            if isinstance(x, Tensor) and x.device.type != "meta":
+                return x.device
+        for unit in self.own_units():
+            for t in (*unit.parameters(), *unit.buffers()):
+                if t.device.type != "meta":
+                    return t.device
+        return None
+
+    @staticmethod
+    def _run_on_meta(original: Callable, leaves: list, spec: Any) -> Any:
+        """Run the unit on meta tensors; under ``torch.device("meta")`` the tensors its forward creates without
+        ``device=`` (causal masks, position ids, rotary tables, ``torch.full``, ``randn``) are meta tensors too."""
+        meta = [x.to("meta") if isinstance(x, Tensor) else x for x in leaves]
+        margs, mkwargs = tree_unflatten(meta, spec)
+        with torch.no_grad(), torch.device("meta"):
+            return original(*margs, **mkwargs)
+
+    def _run_on_fake(self, name: str, original: Callable, leaves: list, spec: Any,
+                     device: torch.device | None) -> Any:
+        """Run the unit on fake tensors of the stage's device: what the meta device cannot run but fake tensors can.
+
+        Fake tensors carry a device, so a tensor made with an explicit ``device="cpu"`` or kept as a plain (non-buffer)
+        attribute mixes with them, and small constants built in forward (``torch.tensor(d).rsqrt().item()``, which
+        the meta device cannot read) keep their values. The unit's own parameters and buffers (on the meta device,
+        released by this stage) are swapped for fake ones of the stage's device for the call, through the module's
+        ``_parameters`` / ``_buffers`` dicts (so no hooks run and nothing is registered), and put back after. Code that
+        reads the values of its inputs (``.item()``, ``.tolist()``, ``nonzero``, ``if x.sum() > 0``) still fails.
+        """
+        fake_mode_cls = _fake_tensor_mode_cls()
+        if fake_mode_cls is None:
+            raise RuntimeError("this torch has no FakeTensorMode")
+        device = device if device is not None else torch.device("cpu")
+        mode = fake_mode_cls(allow_non_fake_inputs=True)
+        unit = self._modules[name]
+        swapped: list[tuple[dict, str, Tensor]] = []
+        try:
+            with torch.no_grad(), mode:
+                fakes: dict[int, Tensor] = {}  # by id: tied tensors stay tied
+
+                def fake_of(t: Tensor) -> Tensor:
+                    if id(t) not in fakes:
+                        fakes[id(t)] = (torch.empty(t.shape, dtype=t.dtype, device=device) if t.device.type == "meta"
+                                        else mode.from_tensor(t))
+                    return fakes[id(t)]
+
+                for mod in unit.modules():
+                    for store in (mod._parameters, mod._buffers):
+                        for k, t in store.items():
+                            if t is not None and t.device.type == "meta":
+                                swapped.append((store, k, t))
+                                store[k] = fake_of(t)
+                fleaves = [fake_of(x) if isinstance(x, Tensor) else x for x in leaves]
+                fargs, fkwargs = tree_unflatten(fleaves, spec)
+                return original(*fargs, **fkwargs)
+        finally:
+            for store, k, t in reversed(swapped):
+                store[k] = t
 
 
 def _signature(x: Any) -> Any:
@@ -213,7 +286,23 @@ def _signature(x: Any) -> Any:
     return (type(x).__name__,)
 
 
-def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device | None) -> Tensor:
+def _fake_tensor_mode_cls() -> type | None:
+    """torch's ``FakeTensorMode``, the one private torch name this module uses, imported here only and guarded.
+
+    It comes from :mod:`lightning_clapping._compat` (home of every private name) when that exports it, else straight
+    from ``torch._subclasses.fake_tensor``; None when neither has it (the meta device is then the only way).
+    """
+    try:
+        from lightning_clapping._compat import FakeTensorMode  # type: ignore[attr-defined]
+    except ImportError:
+        try:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+        except ImportError:  # pragma: no cover - present in every supported torch
+            return None
+    return FakeTensorMode
+
+
+def _placeholder(shape: tuple, dtype: torch.dtype, device: torch.device | None) -> Tensor:
     if dtype.is_floating_point or dtype.is_complex:
         return torch.full(shape, math.nan, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
