@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import (  # noqa: F401
     _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401 - stage.py: shapes of skipped modules
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 
 
@@ -59,6 +60,7 @@ def set_metric_step_value(metric, value) -> None:
 
 __all__ = [
     "EmptyStateDictLoadPlanner",
+    "FakeTensorMode",
     "accelerator_connector",
     "default_store",
     "dcp_load_state_dict",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_clapping._compat import tree_flatten, tree_unflatten
+from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
 from lightning_clapping.partition import Partition, PartitionError
 
 
@@ -247,11 +247,8 @@ class StageRunner:
         ``_parameters`` / ``_buffers`` dicts (so no hooks run and nothing is registered), and put back after. Code that
         reads the values of its inputs (``.item()``, ``.tolist()``, ``nonzero``, ``if x.sum() > 0``) still fails.
         """
-        fake_mode_cls = _fake_tensor_mode_cls()
-        if fake_mode_cls is None:
-            raise RuntimeError("this torch has no FakeTensorMode")
         device = device if device is not None else torch.device("cpu")
-        mode = fake_mode_cls(allow_non_fake_inputs=True)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
         unit = self._modules[name]
         swapped: list[tuple[dict, str, Tensor]] = []
         try:
@@ -284,22 +281,6 @@ def _signature(x: Any) -> Any:
     if x is None or isinstance(x, (bool, int, float, str)):
         return (type(x).__name__, x)
     return (type(x).__name__,)
-
-
-def _fake_tensor_mode_cls() -> type | None:
-    """torch's ``FakeTensorMode``, the one private torch name this module uses, imported here only and guarded.
-
-    It comes from :mod:`lightning_clapping._compat` (home of every private name) when that exports it, else straight
-    from ``torch._subclasses.fake_tensor``; None when neither has it (the meta device is then the only way).
-    """
-    try:
-        from lightning_clapping._compat import FakeTensorMode  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-        except ImportError:  # pragma: no cover - present in every supported torch
-            return None
-    return FakeTensorMode
 
 
 def _placeholder(shape: tuple, dtype: torch.dtype, device: torch.device | None) -> Tensor:

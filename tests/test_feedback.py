@@ -352,7 +352,7 @@ def test_evaluation_is_uncompressed_unless_asked():
     ({"variant": "clapping"}, "unknown variant 'clapping'"),
     ({"variant": "clapping-fc", "forward_codec": "q9"}, "q9"),
     ({"variant": "clapping-fc", "backward_codec": "topk:2"}, "topk"),
-    ({"lazy_messages": -1.0}, "lazy_messages must be a positive threshold"),
+    ({"lazy_messages": -1.0}, "lazy_messages must be a positive finite threshold"),
 ])
 def test_bad_compression_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

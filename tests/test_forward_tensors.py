@@ -76,7 +76,10 @@ def assert_like(stub, real):
 @pytest.fixture
 def no_fake_tensors(monkeypatch):
     """Only the meta device: the cases below must not need the fake-tensor fallback."""
-    monkeypatch.setattr(stage_mod, "_fake_tensor_mode_cls", lambda: None)
+    def no_fakes(*args, **kwargs):
+        raise RuntimeError("fake tensors switched off by the test")
+
+    monkeypatch.setattr(stage_mod, "FakeTensorMode", no_fakes)
 
 
 # ---------------------------------------------------------------------------------------------------- factory calls
