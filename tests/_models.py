@@ -209,3 +209,14 @@ def reference_gradients(kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
     loss = model.training_step(batch, 0)
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class Recorder(L.Callback):
+    """Records the loss of every training step (what the launched test scripts compare)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))

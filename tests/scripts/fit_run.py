@@ -15,16 +15,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_clapping
-from _models import SequentialMLP, classification_data
-
-
-class Recorder(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+from _models import Recorder, SequentialMLP, classification_data
 
 
 class MetricMLP(SequentialMLP):

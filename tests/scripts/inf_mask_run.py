@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_clapping
+from _models import Recorder
 
 
 class MaskedEncoder(L.LightningModule):
@@ -43,15 +44,6 @@ class MaskedEncoder(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class Recorder(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
 
 
 def main(mode: str, out: Path) -> None:
