@@ -3,8 +3,6 @@
 ``import lightning_clapping`` registers the strategy name, so ``Trainer(strategy="clapping")`` works afterwards.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.feedback import VARIANTS
@@ -13,8 +11,10 @@ from lightning_clapping.partition import Partition, PartitionError, build_partit
 from lightning_clapping.stage import SplitError
 from lightning_clapping.strategy import ClappingStrategy
 
-if "clapping" not in StrategyRegistry:
-    ClappingStrategy.register_strategies(StrategyRegistry)
+from lightning_clapping import _namespaces
+
+# strategy="clapping" for lightning.pytorch and, when installed, pytorch_lightning (its twin: ._namespaces)
+_namespaces.register()
 
 __version__ = "0.1.0"
 __all__ = [
