@@ -223,7 +223,17 @@ class ClappingStrategy(ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
+        """Pipeline stages, one process each (all the processes of the run)."""
         return self.num_nodes * self.num_processes
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel replicas of the pipeline: 1. This is ``trainer.world_size``, what code that divides a global
+        batch size by the number of model replicas reads, as under DDP (every stage sees the same whole batch). The
+        number of processes is :attr:`num_stages`. It also keeps Lightning from broadcasting its SIGTERM flag every
+        step and from a signal handler (a collective that a stage blocked in a pipeline transfer never joins): a
+        preempted run's processes each get the signal from the launcher or the scheduler and stop."""
+        return 1
 
     @property
     def stage(self) -> int:
@@ -362,7 +372,7 @@ class ClappingStrategy(ParallelStrategy):
                           f"stage {self.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}")
             if self.global_rank != 0 or not _is_peer_loss(err):
                 raise
-            cause = _peer_failure(store, self.world_size)
+            cause = _peer_failure(store, self.num_stages)
             if cause is None:
                 raise
             raise StageFailure(f"{cause}\n(rank 0 then lost its connection: {type(err).__name__}: {err})") from err
@@ -413,9 +423,9 @@ class ClappingStrategy(ParallelStrategy):
         metrics = [m for m in module.modules() if isinstance(m, Metric)]
         if not metrics:
             return
-        if self._stage_groups is None and _compat.distributed_is_initialized() and self.world_size > 1:
+        if self._stage_groups is None and _compat.distributed_is_initialized() and self.num_stages > 1:
             # collective: every rank creates every group, in the same order
-            self._stage_groups = [dist.new_group([r]) for r in range(self.world_size)]
+            self._stage_groups = [dist.new_group([r]) for r in range(self.num_stages)]
         if self._stage_groups is None:
             return
         for m in metrics:
@@ -545,7 +555,7 @@ class ClappingStrategy(ParallelStrategy):
     def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
         mine = torch.tensor(stats.as_list(), dtype=torch.float64)
         if self.num_stages > 1:
-            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
             dist.all_gather(gathered, mine)
         else:
             gathered = [mine]

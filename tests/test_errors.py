@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -10,7 +15,7 @@ import pytest
 import lightning_clapping
 from lightning_clapping import ClappingStrategy, PartitionError
 from _models import SequentialMLP, TinyGPT
-from conftest import launch
+from conftest import ROOT, SCRIPTS, launch
 
 
 def _trainer(devices, **strategy_kwargs):
@@ -103,3 +108,41 @@ def test_rank0_names_the_stage_that_failed_and_its_exception(tmp_path):
     rank0 = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]")]
     assert any("StageFailure: stage 0 (rank 1) failed: ValueError: boom in the first stage" in line
                for line in rank0), "\n".join(rank0[-15:])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_sigterm_to_the_launching_process_stops_every_stage_within_seconds(tmp_path):
+    # preemption (SLURM, Kubernetes) while steps run back to back, three times: no rank may wait for the timeout
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
+        env.pop(var, None)
+    for trial in range(3):
+        cwd = tmp_path / f"trial{trial}"
+        cwd.mkdir()
+        proc = subprocess.Popen([sys.executable, str(SCRIPTS / "failing_run.py"), "sigterm"], cwd=cwd, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not (cwd / "started").exists():
+                assert proc.poll() is None, proc.stderr.read()[-3000:]
+                assert time.monotonic() < deadline, "training never started"
+                time.sleep(0.2)
+            pids = [int((cwd / f"pid_rank{r}").read_text()) for r in range(2)]
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+            while any(_alive(p) for p in pids) and time.monotonic() - sent < 60:
+                time.sleep(0.1)
+            stopped = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert not any(_alive(p) for p in pids), f"trial {trial}: a rank is still running"
+        assert stopped < 20, f"trial {trial}: the run took {stopped:.1f} s to stop after SIGTERM"

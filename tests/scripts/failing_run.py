@@ -1,6 +1,8 @@
 """Runs that must fail cleanly (a clear message, every process ends).
 
-python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies | child_raises
+python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies | child_raises | sigterm
+
+sigterm trains until stopped; every rank writes its pid to pid_rank{r}, rank 0 writes "started" after 3 steps.
 """
 
 import os
@@ -44,6 +46,16 @@ class RaisesAtStep(SequentialMLP):
         return super().training_step(batch, i)
 
 
+class Announce(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        with open(f"pid_rank{trainer.global_rank}", "w") as f:
+            f.write(str(os.getpid()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3 and trainer.global_rank == 0:
+            open("started", "w").close()
+
+
 class DiesAtStep(SequentialMLP):
     def __init__(self, rank_to_die):
         super().__init__()
@@ -70,11 +82,14 @@ def main(case):
         model = RaisesAtStep()
     elif case == "rank0_dies":
         model, timeout = DiesAtStep(rank_to_die=0), timedelta(seconds=15)
+    elif case == "sigterm":
+        model = SequentialMLP()
     else:
         raise SystemExit(f"unknown case {case}")
     strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=microbatches, timeout=timeout)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=10**6 if case == "sigterm" else 1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Announce()] if case == "sigterm" else None)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch_size))
 
 
