@@ -11,7 +11,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningCLI
 from torch.utils.data import DataLoader, TensorDataset
 
-from _models import SequentialMLP, classification_data
+from _models import Recorder, SequentialMLP, classification_data
 
 
 class TinyData(L.LightningDataModule):
@@ -22,20 +22,12 @@ class TinyData(L.LightningDataModule):
         return DataLoader(TensorDataset(*classification_data(n=32, seed=2)), batch_size=16)
 
 
-class Recorder(L.Callback):
-    def __init__(self) -> None:
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
-
-
 def result(trainer, model, rec, imported_before):
     return {
         "losses": rec.losses,
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "strategy": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__qualname__}",
-        "world_size": trainer.world_size,
+        "stages": getattr(trainer.strategy, "num_stages", 1),  # processes; trainer.world_size counts replicas
         "weights": {k: v.tolist() for k, v in model.state_dict().items()},
         "imported_before": imported_before,
     }
@@ -51,5 +43,5 @@ if __name__ == "__main__":
                           "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0},
     )
     if cli.trainer.global_rank == 0:
-        name = "cli_pipe" if cli.trainer.world_size > 1 else "cli_single"
+        name = "cli_pipe" if getattr(cli.trainer.strategy, "num_stages", 1) > 1 else "cli_single"
         (out / f"{name}.json").write_text(json.dumps(result(cli.trainer, cli.model, rec, imported_before)))

@@ -13,8 +13,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from _models import SequentialMLP, classification_data
-from cli_fit import Recorder, result
+from _models import Recorder, SequentialMLP, classification_data
+from cli_fit import result
 
 if __name__ == "__main__":
     out, config = Path(sys.argv[1]), sys.argv[2]

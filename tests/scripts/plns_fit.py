@@ -1,8 +1,9 @@
 """A ``pytorch_lightning`` project (``import pytorch_lightning as pl``, no ``lightning.pytorch`` in its code) trained
 with ClappingStrategy, as a user writes it.
 
-python plns_fit.py MODE OUT      MODE: "pipe" (two 2-stage runs: strategy="clapping", then a ClappingStrategy object)
-                                       or "single" (one device, strategy="auto")
+python plns_fit.py MODE OUT      MODE: "pipe": three 2-stage runs: strategy="clapping", then
+                                       lightning_clapping.pytorch_lightning.ClappingStrategy(...), then
+                                       lightning_clapping.ClappingStrategy(...); "single": one device
 """
 
 import json
@@ -69,7 +70,7 @@ def run(name, strategy, devices, out):
             "losses": rec.losses,
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "strategy": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__qualname__}",
-            "world_size": trainer.world_size,
+            "stages": getattr(trainer.strategy, "num_stages", 1),  # processes; trainer.world_size counts replicas
             "weights": {k: v.tolist() for k, v in model.state_dict().items()},
         }))
 
@@ -85,3 +86,5 @@ if __name__ == "__main__":
         from lightning_clapping.pytorch_lightning import ClappingStrategy  # the class for pytorch_lightning
 
         run("object", ClappingStrategy(split_points=["net.4"], microbatches=4), 2, out)
+        # the object from lightning_clapping's own docs, unchanged (becomes the twin when the Trainer takes it)
+        run("lightning_object", lightning_clapping.ClappingStrategy(split_points=["net.4"], microbatches=4), 2, out)
