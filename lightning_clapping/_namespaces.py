@@ -309,43 +309,7 @@ def register_pytorch_lightning() -> bool:
 
     if STRATEGY_NAME not in StrategyRegistry:
         StrategyRegistry.register(STRATEGY_NAME, _twin_strategy, description=DESCRIPTION)
-    from lightning_clapping.strategy import ClappingStrategy
-
-    if getattr(ClappingStrategy, "_clapping_handover", False):
-        # its accelerator setter calls adopt(): pytorch_lightning's Trainer may take lightning_clapping's object.
-        # (Without that hook, passing this check would only move the refusal to a crash in the first step.)
-        from pytorch_lightning.strategies import Strategy
-
-        Strategy.register(ClappingStrategy)
     return True
-
-
-_PLUGIN_ARGUMENTS = ("accelerator", "cluster_environment", "checkpoint_io", "precision_plugin")
-
-
-def adopt(strategy: Any, accelerator: Any) -> None:
-    """Called by ``ClappingStrategy``'s accelerator setter, a Trainer's first call on its strategy: a
-    ``lightning.pytorch`` ClappingStrategy handed to a ``pytorch_lightning`` Trainer becomes the twin, rebuilt from
-    the same arguments, before anything has run. Any other call returns at once."""
-    cls = type(strategy)
-    if not type(accelerator).__module__.startswith("pytorch_lightning.") or cls.__module__.startswith(TWIN + "."):
-        return
-    if f"{cls.__module__}.{cls.__qualname__}" != f"{PACKAGE}.strategy.ClappingStrategy":
-        raise TypeError(
-            f"{cls.__qualname__} subclasses lightning_clapping.ClappingStrategy (the lightning.pytorch one) and was "
-            f"given to a pytorch_lightning Trainer: subclass {TWIN}.ClappingStrategy instead."
-        )
-    kwargs = dict(strategy._init_kwargs)
-    for key in _PLUGIN_ARGUMENTS:
-        if any(c.__module__.startswith("lightning.") for c in type(kwargs.get(key)).__mro__):
-            raise TypeError(
-                f"ClappingStrategy({key}=...) holds a lightning.pytorch object and was given to a pytorch_lightning "
-                f"Trainer: pass the plugin to the Trainer, or use {TWIN}.ClappingStrategy with pytorch_lightning's."
-            )
-    twin = importlib.import_module(f"{TWIN}.strategy").ClappingStrategy(**kwargs)
-    strategy.__class__ = type(twin)
-    strategy.__dict__.clear()
-    strategy.__dict__.update(twin.__dict__)
 
 
 def register() -> None:

@@ -86,5 +86,3 @@ if __name__ == "__main__":
         from lightning_clapping.pytorch_lightning import ClappingStrategy  # the class for pytorch_lightning
 
         run("object", ClappingStrategy(split_points=["net.4"], microbatches=4), 2, out)
-        # the object from lightning_clapping's own docs, unchanged (becomes the twin when the Trainer takes it)
-        run("lightning_object", lightning_clapping.ClappingStrategy(split_points=["net.4"], microbatches=4), 2, out)
