@@ -285,7 +285,7 @@ def worker(config_path: str) -> None:
         val_check_interval=cfg["val_every"], check_val_every_n_epoch=None, limit_val_batches=cfg["val_batches"],
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, log_every_n_steps=1, callbacks=[recorder])
-    assert trainer.global_rank == rank and trainer.world_size == stages, (trainer.global_rank, trainer.world_size)
+    assert trainer.global_rank == rank and trainer.strategy.num_stages == stages, (trainer.global_rank, stages)
     t_fit = time.perf_counter()
     trainer.fit(model, datamodule=data)
     result = {

@@ -21,6 +21,7 @@ sharded folders use parameter names.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,24 @@ def load_sharded_entries(path: Path, prefixes: list[str]) -> dict[str, Any]:
     return out
 
 
+def whole_hparams_modules(checkpoint: dict[str, Any], module: nn.Module) -> None:
+    """Saved hyperparameters that hold one of the model's modules (``__init__(self, net: nn.Module)`` with
+    ``save_hyperparameters()``) get a copy of it holding the gathered weights, as a single process saves them:
+    ``load_from_checkpoint`` rebuilds the model from them. (The live module keeps only this rank's stage.)"""
+    hparams = checkpoint.get("hyper_parameters")
+    state = checkpoint.get("state_dict")
+    if not isinstance(hparams, dict) or not state:
+        return
+    names = {id(m): n for n, m in module.named_modules()}
+    for key, value in list(hparams.items()):
+        if isinstance(value, nn.Module) and id(value) in names:
+            prefix = f"{names[id(value)]}." if names[id(value)] else ""
+            whole = copy.deepcopy(value)
+            whole.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                                  strict=False, assign=True)
+            hparams[key] = whole
+
+
 def check_model_keys(saved: set[str], expected: list[str], where: Path) -> None:
     missing = [k for k in expected if k not in saved]
     unexpected = sorted(saved - set(expected))
@@ -211,4 +230,5 @@ __all__ = [
     "saved_model_keys",
     "state_by_name",
     "state_by_position",
+    "whole_hparams_modules",
 ]

@@ -15,10 +15,7 @@ first-hand; the other ranks get the same values through :mod:`lightning_clapping
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
-import time
 import math
 import os
 import shutil
@@ -43,6 +40,7 @@ from torch import Tensor
 
 from lightning_clapping import _compat
 from lightning_clapping import checkpoint as ckpt
+from lightning_clapping import failures
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
@@ -357,26 +355,6 @@ class ClappingStrategy(ParallelStrategy):
         self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
 
-    @contextmanager
-    def _stage_errors(self) -> Generator[None, None, None]:
-        """A stage that fails leaves its reason in the process group's store before its process ends; when rank 0
-        then fails only because a peer went away, it raises with that stage's reason instead of gloo's."""
-        try:
-            yield
-        except Exception as err:
-            store = _compat.default_store() if self.num_stages > 1 else None
-            if store is None:
-                raise
-            with contextlib.suppress(Exception):
-                store.set(f"clapping/failure/{self.global_rank}",
-                          f"stage {self.stage} (rank {self.global_rank}) failed: {type(err).__name__}: {err}")
-            if self.global_rank != 0 or not _is_peer_loss(err):
-                raise
-            cause = _peer_failure(store, self.num_stages)
-            if cause is None:
-                raise
-            raise StageFailure(f"{cause}\n(rank 0 then lost its connection: {type(err).__name__}: {err})") from err
-
     def _on_last_stage(self, user_hook: Any) -> Any:
         """An epoch-end hook runs on the last stage only, where the step outputs it reads exist (the earlier stages
         never reach the code after their cut); what it logs is relayed to every rank, like the steps' logs."""
@@ -493,12 +471,13 @@ class ClappingStrategy(ParallelStrategy):
                 return module.training_step(mb, batch_idx, *args, **kwargs)
 
         seed = (lambda j: _mix(self._rng_base, batch_id, self.stage, j)) if self.freeze_rng else None
-        with self._stage_errors(), self.precision_plugin.train_step_context():
+        with failures.reported(self.stage, self.global_rank, self.num_stages), \
+                self.precision_plugin.train_step_context():
             outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed)
         loss = None
         if self.executor.is_last:
             loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
-        fingerprint = _fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
+        fingerprint = failures.fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
         loss_t = self._share_step_results(loss, stats, total, info, fingerprint)
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
@@ -538,15 +517,9 @@ class ClappingStrategy(ParallelStrategy):
         if self.num_stages > 1:
             dist.broadcast_object_list(payload, src=0)
         loss, wire, last_fingerprint = payload[0]
-        if fingerprint is not None and last_fingerprint is not None and not _same(fingerprint, last_fingerprint):
-            raise RuntimeError(
-                f"stage {self.stage} trained on another batch than the last stage at step "
-                f"{self.lightning_module.trainer.global_step} (batch fingerprints {fingerprint} vs {last_fingerprint}): "
-                "every stage must read the same batches in the same order. A DataLoader that shuffles with torch's "
-                "global RNG, a sampler or dataset with per-process randomness, or data that differs between "
-                "processes causes this: give the DataLoader a seeded `generator=` and make the data identical on "
-                "every process."
-            )
+        if fingerprint is not None and last_fingerprint is not None:
+            failures.check_same_batch(fingerprint, last_fingerprint, self.stage,
+                                      self.lightning_module.trainer.global_step)
         self._relay.replay(wire, local, self.root_device)
         if stats is not None and self.log_bytes:
             self._log_step_stats(stats, batch_size, info)
@@ -596,7 +569,7 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
-        with self._stage_errors():
+        with failures.reported(self.stage, self.global_rank, self.num_stages):
             outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
@@ -700,7 +673,7 @@ class ClappingStrategy(ParallelStrategy):
                 checkpoint["clapping_feedback"] = {k: v for part in parts for k, v in part.items()}
             with self._plain_forwards():
                 if self.global_rank == 0:
-                    self._whole_hparams_modules(checkpoint)
+                    ckpt.whole_hparams_modules(checkpoint, self.lightning_module)
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
@@ -719,23 +692,6 @@ class ClappingStrategy(ParallelStrategy):
             )
         with self._plain_forwards():
             ckpt.save_sharded(path, tensors, checkpoint if self.global_rank == 0 else None)
-
-    def _whole_hparams_modules(self, checkpoint: dict[str, Any]) -> None:
-        """Saved hyperparameters that hold one of the model's modules (``__init__(self, net: nn.Module)`` with
-        ``save_hyperparameters()``) get a copy of it holding the gathered weights, as a single process saves them:
-        ``load_from_checkpoint`` rebuilds the model from them. (The live module keeps only this rank's stage.)"""
-        hparams = checkpoint.get("hyper_parameters")
-        state = checkpoint.get("state_dict")
-        if not isinstance(hparams, dict) or not state:
-            return
-        names = {id(m): n for n, m in self.lightning_module.named_modules()}
-        for key, value in list(hparams.items()):
-            if isinstance(value, torch.nn.Module) and id(value) in names:
-                prefix = f"{names[id(value)]}." if names[id(value)] else ""
-                whole = copy.deepcopy(value)
-                whole.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
-                                      strict=False, assign=True)
-                hparams[key] = whole
 
     @contextmanager
     def _plain_forwards(self) -> Generator[None, None, None]:
@@ -887,34 +843,6 @@ class ClappingStrategy(ParallelStrategy):
         )
 
 
-class StageFailure(RuntimeError):
-    """Another stage failed; the message names it and its exception."""
-
-
-def _is_peer_loss(err: BaseException) -> bool:
-    text = str(err)
-    return isinstance(err, dist.DistBackendError) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out"))
-
-
-def _peer_failure(store: Any, world_size: int, wait: float = 3.0) -> str | None:
-    """The first reason another rank left in the store that is not itself a lost connection (waits briefly)."""
-    deadline = time.monotonic() + wait
-    while True:
-        found = None
-        for rank in range(1, world_size):
-            key = f"clapping/failure/{rank}"
-            with contextlib.suppress(Exception):
-                if store.check([key]):
-                    text = store.get(key).decode()
-                    if not any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe")):
-                        return text
-                    found = found or text
-        if time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
-
-
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
@@ -925,20 +853,6 @@ def _mix(*values: int) -> int:
         h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h & 0x7FFFFFFF
-
-
-def _fingerprint(batch: Any) -> tuple[float, ...]:
-    """An order-sensitive summary of a batch: per tensor, the position-weighted sum of its per-sample sums."""
-    out = []
-    for t in _compat.tree_flatten(batch)[0]:
-        if isinstance(t, Tensor) and t.dim() > 0 and not t.is_complex():
-            rows = t.detach().reshape(t.shape[0], -1).sum(1, dtype=torch.float64)
-            out.append(float((rows * torch.arange(1, len(rows) + 1, dtype=torch.float64, device=rows.device)).sum()))
-    return tuple(out)
-
-
-def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 def _loss(out: Any) -> Tensor:
