@@ -220,3 +220,26 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+
+
+def fit_and_save(model: L.LightningModule, loader, mode: str, split_points: list[str], out, name: str,
+                 steps: int = 3) -> None:
+    """Train ``steps`` steps through the pipeline (``mode="pipe"``, one process per stage) or on one device, and
+    save rank 0's losses (``{name}_{mode}.json``) and final weights (``{name}_{mode}.pt``) under ``out``."""
+    import json
+
+    import lightning_clapping
+
+    if mode == "pipe":
+        strategy = lightning_clapping.ClappingStrategy(split_points=split_points, microbatches=2)
+        devices = len(split_points) + 1
+    else:
+        strategy, devices = "auto", 1
+    rec = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        callbacks=[rec], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True)
+    trainer.fit(model, loader)
+    if trainer.global_rank == 0:
+        (out / f"{name}_{mode}.json").write_text(json.dumps({"losses": rec.losses}))
+        torch.save(model.state_dict(), out / f"{name}_{mode}.pt")

@@ -10,7 +10,6 @@ with and fake tensors can). Stages 1 and 2 skip those modules and must still lea
 Writes OUT/forward_tensors_MODE.json (the step losses, from rank 0) and OUT/forward_tensors_MODE.pt (final weights).
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_clapping
-from _models import Recorder
+from _models import fit_and_save
 
 VOCAB, T, D, HEADS = 11, 6, 16, 2
 
@@ -106,20 +104,8 @@ def main(mode: str, out: Path) -> None:
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, VOCAB, (24, T), generator=g)
     y = torch.randint(0, VOCAB, (24, T), generator=g)
-    if mode == "pipe":
-        strategy = lightning_clapping.ClappingStrategy(split_points=["blocks.1", "blocks.2"], microbatches=2)
-        devices = 3
-    else:
-        strategy, devices = "auto", 1
-    rec = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, logger=False,
-                        callbacks=[rec], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, deterministic=True)
-    trainer.fit(model, DataLoader(TensorDataset(idx, y), batch_size=8))
-    if trainer.global_rank == 0:
-        (out / f"forward_tensors_{mode}.json").write_text(json.dumps({"losses": rec.losses}))
-        torch.save(model.state_dict(), out / f"forward_tensors_{mode}.pt")
-
+    fit_and_save(model, DataLoader(TensorDataset(idx, y), batch_size=8), mode, ["blocks.1", "blocks.2"], out,
+                 "forward_tensors")
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))

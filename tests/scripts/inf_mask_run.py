@@ -5,7 +5,6 @@ python inf_mask_run.py MODE OUT     MODE: "pipe" (2 stages, cut at blocks.1) or 
 Writes OUT/inf_mask_MODE.json (the step losses, from rank 0) and OUT/inf_mask_MODE.pt (the final weights).
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_clapping
-from _models import Recorder
+from _models import fit_and_save
 
 
 class MaskedEncoder(L.LightningModule):
@@ -51,19 +49,7 @@ def main(mode: str, out: Path) -> None:
     model = MaskedEncoder()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(24, 6, 4, generator=g), torch.randint(0, 3, (24, 6), generator=g)
-    if mode == "pipe":
-        strategy, devices = lightning_clapping.ClappingStrategy(split_points=["blocks.1"], microbatches=2), 2
-    else:
-        strategy, devices = "auto", 1
-    rec = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, logger=False,
-                        callbacks=[rec], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, deterministic=True)
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
-    if trainer.global_rank == 0:
-        (out / f"inf_mask_{mode}.json").write_text(json.dumps({"losses": rec.losses}))
-        torch.save(model.state_dict(), out / f"inf_mask_{mode}.pt")
-
+    fit_and_save(model, DataLoader(TensorDataset(x, y), batch_size=8), mode, ["blocks.1"], out, "inf_mask")
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
