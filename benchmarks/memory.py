@@ -67,7 +67,6 @@ def worker(out: Path, name: str, width: int, blocks: int, stages: int, steps: in
            save: str | None, resume: str | None) -> None:
     """One run (every rank executes this: Lightning's launcher re-runs the script)."""
     import lightning as L
-    import torch
 
     import lightning_clapping
     from examples.big_model import WideMLP, synthetic_data
