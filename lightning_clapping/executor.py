@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_clapping import schedule as schedules
-from lightning_clapping.channel import FLAG_REQUIRES_GRAD, PeerChannel, message_nbytes, pack, unpack
+from lightning_clapping.channel import FLAG_REQUIRES_GRAD, Part, PeerChannel, WireError, message_nbytes, pack, unpack
 from lightning_clapping.feedback import MessageRule, StepContext
 from lightning_clapping.stage import SplitError, StageExit, StageRunner, check_finite
 
@@ -23,6 +24,10 @@ PURPOSE_EVAL_FWD = 3
 
 #: ``make_rule(boundary, direction, training) -> MessageRule``; direction is "fwd" or "bwd"
 RuleFactory = Callable[[int, str, bool], MessageRule]
+
+#: codec id of the step's results (loss, logged values) appended to the last gradient message of a step
+ATTACHMENT = 255
+_ATTACHMENT_ALIGN = 256  # results are padded to this, so their message keeps its size from step to step
 
 
 @dataclass
@@ -39,6 +44,7 @@ class StepStats:
     bwd_value_sq: float = 0.0
     skipped: int = 0
     feedback_bytes: int = 0  # error-feedback state held on this rank (both ends of its boundaries)
+    control_bytes: int = 0  # the step results forwarded with the last gradient message (part of bwd_bytes)
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, f)) for f in self.__dataclass_fields__]
@@ -49,7 +55,13 @@ class StepStats:
 
 
 class PipelineExecutor:
-    """One stage's executor. ``rank_of_stage`` maps stage indices to global ranks."""
+    """One stage's executor. ``rank_of_stage`` maps stage indices to global ranks.
+
+    With ``step_results=True`` the last stage appends the step's results (bytes from the ``results`` callback of
+    :meth:`train_step`) to its last gradient message of the step; every other stage forwards them with its own last
+    gradient message and finds them in :attr:`results` after the step. Every stage thus learns the loss and the
+    logged values without a collective: they ride on messages the pipeline sends anyway.
+    """
 
     def __init__(
         self,
@@ -61,8 +73,11 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None = None,
         prepost: bool = True,
         timeout: timedelta | None = None,
+        step_results: bool = False,
     ) -> None:
         self.runner = runner
+        self.step_results = step_results
+        self.results: bytes | None = None
         self.stage = runner.stage
         self.num_stages = runner.num_stages
         self.schedule_fn = schedules.get_schedule(schedule)
@@ -105,16 +120,24 @@ class PipelineExecutor:
         loss_weights: list[float],
         ctx: StepContext | None = None,
         rng_seed: Callable[[int], int] | None = None,
+        results: Callable[[list[Any]], bytes] | None = None,
     ) -> tuple[list[Any], StepStats]:
         """Forward and backward every micro-batch. Returns the last stage's step outputs (else []) and the stats.
 
         ``step_fn(microbatch, index)`` is the user's step; on the last stage it must return the loss (a scalar
         tensor or a dict with ``"loss"``), which is multiplied by ``loss_weights[index]`` before its backward.
         ``rng_seed(index)``, when given, seeds torch's RNG for that micro-batch's forward (frozen dropout masks).
+        ``results(outputs)``: on the last stage with ``step_results``, called once every micro-batch's step has run,
+        with their outputs in order; it returns the bytes every stage finds in :attr:`results` afterwards.
         """
         ctx = ctx or StepContext()
         n = len(microbatches)
         plan = self.schedule_fn(self.num_stages, n)[self.stage]
+        carry = self.step_results and self.num_stages > 1
+        if carry and self.is_last and results is None:
+            raise ValueError("step_results=True: the last stage's train_step needs the results callback")
+        final = [a.microbatch for a in plan if a.kind == "B"][-1]  # the same on every stage: the chain's last link
+        self.results = None
         stats = StepStats()
         if self.prepost:
             for j in range(n):
@@ -143,7 +166,7 @@ class PipelineExecutor:
                 roots, received = saved.pop(j)
                 grads = None
                 if not self.is_last:
-                    grads = [t for t, _ in self._recv(self.bwd_in, "bwd_in", j, ctx)]
+                    grads = [t for t, _ in self._recv(self.bwd_in, "bwd_in", j, ctx, carry and j == final)]
                     if len(grads) != len(roots):
                         raise SplitError(
                             f"stage {self.stage} got {len(grads)} gradients for micro-batch {j} but sent "
@@ -154,7 +177,12 @@ class PipelineExecutor:
                 if not self.is_first:
                     leaves = [t for t in received if t.requires_grad]
                     gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
-                    self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats)
+                    attached = None
+                    if carry and j == final:
+                        if self.is_last:
+                            self.results = results([outputs[i] for i in sorted(outputs)])
+                        attached = self.results
+                    self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats, attached)
         self._flush()
         self.first_step = False
         self._collect(stats)
@@ -218,26 +246,35 @@ class PipelineExecutor:
             chan.post(j, self._mode(rule_name, j, ctx))
 
     def _send(self, chan: PeerChannel, rule_name: str, j: int, tensors: list[Tensor], ctx: StepContext,
-              stats: StepStats) -> None:
+              stats: StepStats, attached: bytes | None = None) -> None:
         rule = self.rules[rule_name]
         mode = self._mode(rule_name, j, ctx)
         parts = rule.encode(j, tensors, ctx)
+        if attached is not None:
+            parts.append(_results_part(attached))
+            stats.control_bytes += parts[-1].payload.numel()
         before = chan.bytes_sent
         chan.send(j, pack(parts, self.device), mode)
+        # what an uncompressed message would take: fp32 floats, the same step results
         raw = message_nbytes([(tuple(t.shape), t.numel() * (4 if t.dtype.is_floating_point else t.element_size()))
-                              for t in tensors])
+                              for t in tensors] + ([((parts[-1].payload.numel(),), parts[-1].payload.numel())]
+                                                   if attached is not None else []))
         direction = "bwd" if rule_name == "bwd_out" else "fwd"
         setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + chan.bytes_sent - before)
         setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
 
-    def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext) -> list[tuple[Tensor, int]]:
+    def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext,
+              with_results: bool = False) -> list[tuple[Tensor, int]]:
         from lightning_clapping.feedback import CODEC, FULL, RAW, SKIP  # the wire forms (codec ids) a rule decodes
 
         rule = self.rules[rule_name]
         where = (f"boundary {rule.boundary}, {'backward' if rule.direction == 'bwd' else 'forward'}"
                  f"{' (evaluation)' if rule_name == 'eval_in' else ''}, micro-batch {j}, from rank {chan.peer}")
         msg = chan.recv(j, self._mode(rule_name, j, ctx), where)
-        parts = unpack(msg, known_codecs=(RAW, CODEC, FULL, SKIP), where=where)
+        known = (RAW, CODEC, FULL, SKIP, ATTACHMENT) if with_results else (RAW, CODEC, FULL, SKIP)
+        parts = unpack(msg, known_codecs=known, where=where)
+        if with_results:
+            self.results = _results_of(parts, where)
         return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
 
     def _flush(self) -> None:
@@ -277,6 +314,28 @@ class _frozen_rng:
 
     def __exit__(self, *exc):
         return self._fork.__exit__(*exc)
+
+
+def _results_part(blob: bytes) -> Part:
+    """``blob`` as the last part of a message: its length, the bytes, zeros up to a multiple of 256 bytes."""
+    size = -(-(len(blob) + 8) // _ATTACHMENT_ALIGN) * _ATTACHMENT_ALIGN
+    buf = bytearray(size)
+    struct.pack_into("<Q", buf, 0, len(blob))
+    buf[8 : 8 + len(blob)] = blob
+    return Part(ATTACHMENT, torch.uint8, (size,), torch.frombuffer(buf, dtype=torch.uint8))
+
+
+def _results_of(parts: list[Part], where: str) -> bytes:
+    """Remove the results part from ``parts`` (it must be the last, and the only one) and return its bytes."""
+    found = [i for i, p in enumerate(parts) if p.codec == ATTACHMENT]
+    if found != [len(parts) - 1]:
+        raise WireError(f"{where}: expected the step results as the last part, found them at parts {found}")
+    part = parts.pop()
+    raw = part.payload.cpu().numpy().tobytes()
+    length = struct.unpack_from("<Q", raw)[0] if len(raw) >= 8 else -1
+    if part.dtype != torch.uint8 or part.shape != (len(raw),) or not 0 <= length <= len(raw) - 8:
+        raise WireError(f"{where}: malformed step results ({len(raw)} bytes announcing {length})")
+    return raw[8 : 8 + length]
 
 
 def _loss_of(out: Any) -> Tensor:

@@ -27,6 +27,7 @@ from lightning_clapping._compat import set_metric_step_value
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _NOT_SENT = ("sync_dist_group", "metric_attribute")
+_DEFAULTS = {k: p.default for k, p in _LOG_SIGNATURE.parameters.items() if p.default is not inspect.Parameter.empty}
 
 
 @dataclass
@@ -35,6 +36,11 @@ class Record:
     value: Any  # float, or a Metric object (last stage only)
     kwargs: dict[str, Any]
     weight: float
+
+
+def _is_default(name: str, value: Any) -> bool:
+    default = _DEFAULTS.get(name, inspect.Parameter.empty)
+    return value is default or (type(value) is type(default) and isinstance(value, (bool, str)) and value == default)
 
 
 class _MirrorMetric(Metric):
@@ -121,7 +127,8 @@ class LogRelay:
         attributes = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
         wire = []
         for r in records:
-            kwargs = {k: v for k, v in r.kwargs.items() if k not in _NOT_SENT}
+            kwargs = {k: v for k, v in r.kwargs.items()  # defaults are left out: replay applies them again
+                      if k not in _NOT_SENT and not _is_default(k, v)}
             if isinstance(r.value, Metric):
                 cache = getattr(r.value, "_forward_cache", None)
                 step = float(cache) if isinstance(cache, Tensor) and cache.numel() == 1 else float("nan")

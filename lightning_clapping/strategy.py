@@ -51,6 +51,7 @@ from lightning_clapping.microbatch import merge_outputs, split_batch
 from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
 from lightning_clapping.schedule import SCHEDULES
 from lightning_clapping.stage import StageRunner
+from lightning_clapping.step_results import ByteStats, pack_results, unpack_results
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,8 @@ class ClappingStrategy(ParallelStrategy):
         self._patched: list[tuple[Any, str, bool, Any]] = []
         self._stage_groups: list[Any] | None = None
         self._checked_batch = False
+        self._byte_stats: ByteStats | None = None
+        self._local_logs: list[Any] | None = None
 
     # ------------------------------------------------------------------ topology
     @property
@@ -349,7 +352,9 @@ class ClappingStrategy(ParallelStrategy):
             schedule=self.schedule,
             prepost=prepost,
             timeout=self._timeout,
+            step_results=True,
         )
+        self._byte_stats = ByteStats(self.num_stages, self.rank_of_stage, self.lazy_messages is not None)
         self._checked_batch = False
         self._lazy_checked = False
         self._lazy_loader = None
@@ -365,7 +370,7 @@ class ClappingStrategy(ParallelStrategy):
             if self.global_rank == 0:  # the last stage
                 with self._relay.capture(1):
                     user_hook()
-            self._share_step_results(None, None, 1)
+            self._broadcast_logs()
 
         return hook
 
@@ -471,14 +476,16 @@ class ClappingStrategy(ParallelStrategy):
                 return module.training_step(mb, batch_idx, *args, **kwargs)
 
         seed = (lambda j: _mix(self._rng_base, batch_id, self.stage, j)) if self.freeze_rng else None
+        fingerprint = failures.fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
+        results = (lambda outs: self._step_results(outs, sizes, fingerprint)) if self.executor.is_last else None
         with failures.reported(self.stage, self.global_rank, self.num_stages), \
                 self.precision_plugin.train_step_context():
-            outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed)
-        loss = None
-        if self.executor.is_last:
-            loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
-        fingerprint = failures.fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
-        loss_t = self._share_step_results(loss, stats, total, info, fingerprint)
+            outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results)
+        # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
+        blob = self.executor.results if self.num_stages > 1 else self._step_results(outputs, sizes, None)
+        loss_t = self._apply_results(blob, fingerprint)
+        if self.log_bytes:
+            self._log_step_stats(stats, total, info)
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
         return loss_t
@@ -504,54 +511,38 @@ class ClappingStrategy(ParallelStrategy):
     def _rng_base(self) -> int:
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
-    def _share_step_results(self, loss: float | None, stats: StepStats | None, batch_size: int,
-                            info: Any = None, fingerprint: tuple[float, ...] | None = None) -> Tensor:
-        """Send the last stage's loss and logged values to every rank and log them (and the step's numbers) there.
-
-        On fresh training steps the last stage's batch fingerprint travels along, and every other stage checks that
-        it fed the same batch into the pipeline.
-        """
+    def _step_results(self, outputs: list[Any], sizes: list[int], fingerprint: tuple[float, ...] | None) -> bytes:
+        """On the last stage: the step's loss, its logged values and its batch fingerprint, as sent to the others."""
         assert self._relay is not None
-        local = self._relay.combined() if self.global_rank == 0 else None
-        payload: list[Any] = [(loss, self._relay.to_wire(local), fingerprint) if local is not None else None]
-        if self.num_stages > 1:
-            dist.broadcast_object_list(payload, src=0)
-        loss, wire, last_fingerprint = payload[0]
+        total = sum(sizes)
+        loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
+        self._local_logs = self._relay.combined()
+        return pack_results(loss, self._relay.to_wire(self._local_logs), fingerprint)
+
+    def _apply_results(self, blob: bytes, fingerprint: tuple[float, ...] | None) -> Tensor:
+        """Log the last stage's values on this rank (every rank, so callback metrics agree) and check the batch."""
+        assert self._relay is not None
+        loss, wire, last_fingerprint = unpack_results(blob)
         if fingerprint is not None and last_fingerprint is not None:
             failures.check_same_batch(fingerprint, last_fingerprint, self.stage,
                                       self.lightning_module.trainer.global_step)
-        self._relay.replay(wire, local, self.root_device)
-        if stats is not None and self.log_bytes:
-            self._log_step_stats(stats, batch_size, info)
+        self._relay.replay(wire, self._local_logs if self.executor.is_last else None, self.root_device)
         return torch.tensor(math.nan if loss is None else loss, device=self.root_device)
 
-    def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
-        mine = torch.tensor(stats.as_list(), dtype=torch.float64)
+    def _broadcast_logs(self) -> None:
+        """Outside training steps: what the last stage logged reaches every rank with one broadcast."""
+        assert self._relay is not None
+        self._local_logs = self._relay.combined() if self.global_rank == 0 else None
+        box = [self._relay.to_wire(self._local_logs) if self._local_logs is not None else None]
         if self.num_stages > 1:
-            gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
-            dist.all_gather(gathered, mine)
-        else:
-            gathered = [mine]
-        per_stage = [StepStats.from_list(gathered[self.rank_of_stage(s)].tolist()) for s in range(self.num_stages)]
-        values: dict[str, float] = {}
-        for m in range(self.num_stages - 1):
-            values[f"clapping/b{m}_fwd_bytes"] = per_stage[m].fwd_bytes  # stage m sends forward over boundary m
-            values[f"clapping/b{m}_bwd_bytes"] = per_stage[m + 1].bwd_bytes  # stage m+1 sends backward over it
-        sent = sum(st.fwd_bytes + st.bwd_bytes for st in per_stage)
-        raw = sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
-        values["clapping/bytes"] = sent
-        values["clapping/ratio"] = raw / sent if sent else 1.0
-        for d in ("fwd", "bwd"):
-            diff = sum(getattr(st, f"{d}_diff_sq") for st in per_stage)
-            ref = sum(getattr(st, f"{d}_value_sq") for st in per_stage)
-            if ref > 0:
-                values[f"clapping/{d}_rel_diff"] = math.sqrt(diff / ref)
-        values["clapping/feedback_bytes"] = sum(st.feedback_bytes for st in per_stage)
-        if self.lazy_messages is not None:
-            values["clapping/skipped_messages"] = sum(st.skipped for st in per_stage)
-        if info is not None:
-            values["clapping/distinct_samples"] = info.distinct_samples
-            values["clapping/fresh"] = float(info.fresh)
+            dist.broadcast_object_list(box, src=0)
+        self._relay.replay(box[0], self._local_logs, self.root_device)
+
+    def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
+        assert self._byte_stats is not None
+        extra = {} if info is None else {"clapping/distinct_samples": info.distinct_samples,
+                                          "clapping/fresh": float(info.fresh)}
+        values = self._byte_stats.step(stats, extra)  # the previous step's numbers: nothing waits for this step's
         module = self.lightning_module
         for name, value in values.items():
             pl.LightningModule.log(module, name, float(value), on_step=True, on_epoch=False, batch_size=batch_size,
@@ -573,7 +564,7 @@ class ClappingStrategy(ParallelStrategy):
             outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
-            self._share_step_results(None, None, sum(sizes))
+            self._broadcast_logs()  # evaluation sends nothing backward for its results to ride on
         elif self.num_stages > 1:
             # every rank returns the predictions, as under DDP: scripts that use them run on every rank
             box = [_compat.tree_map_tensors(lambda t: t.cpu(), merged)]
@@ -623,8 +614,9 @@ class ClappingStrategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, Tensor):
-            return _compat.sync_if_available(tensor, group, reduce_op=reduce_op)
+        """``sync_dist=True`` reduces over data-parallel replicas, never over stages: every stage already holds the
+        last stage's values (relayed), and there is one replica, so the value is returned as it is (a ``"sum"`` is
+        not multiplied by the number of stages), without a collective."""
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -798,6 +790,8 @@ class ClappingStrategy(ParallelStrategy):
         self._full_state = state if self.global_rank == 0 else None
 
     def on_train_end(self) -> None:
+        if self._byte_stats is not None:
+            self._byte_stats.finish()  # the last step's numbers, into the totals
         self._gather_full_weights()
 
     def on_validation_end(self) -> None:

@@ -1,0 +1,93 @@
+"""What every stage learns about a training step, without waiting on a collective for it.
+
+* **Results.** Only the last stage computes the loss and the values the user logs. It packs them (with its batch
+  fingerprint) into a few hundred bytes that travel back with the step's last gradient message, stage to stage
+  (``PipelineExecutor(step_results=True)``): the pipeline sends those messages anyway, so the loss, ``self.log`` and
+  the batch check reach every stage at the end of the same step with no round trip of their own.
+* **Byte statistics.** Each stage knows only what it sent. The numbers are gathered with an asynchronous
+  ``all_gather`` started at the end of a step and read at the end of the next one, so nothing waits for it: the
+  ``clapping/...`` values logged at step ``t`` describe step ``t - 1`` (the first step logs none), all of them, so
+  a logged row describes one step. :attr:`ByteStats.totals`
+  holds the exact sums over every finished step, the last one included once :meth:`ByteStats.finish` ran.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_clapping.executor import StepStats
+
+
+def pack_results(loss: float | None, logs: Any, fingerprint: tuple[float, ...] | None) -> bytes:
+    return pickle.dumps((loss, logs, fingerprint), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[float, ...] | None]:
+    loss, logs, fingerprint = pickle.loads(blob)
+    return loss, logs, fingerprint
+
+
+class ByteStats:
+    """Per-step byte numbers of every stage, gathered off the critical path (see the module docstring)."""
+
+    def __init__(self, num_stages: int, rank_of_stage: Callable[[int], int], lazy_messages: bool) -> None:
+        self.num_stages = num_stages
+        self.rank_of_stage = rank_of_stage
+        self.lazy_messages = lazy_messages
+        self._pending: tuple[Any, list[torch.Tensor], dict[str, float]] | None = None
+        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "steps": 0}
+
+    def step(self, stats: StepStats, extra: dict[str, float]) -> dict[str, float]:
+        """Start gathering this step's numbers; return the previous step's values to log ({} at the first step).
+
+        ``extra`` (numbers every rank knows, such as the lazy sampler's) is returned with its step's numbers, so a
+        logged row always describes one step."""
+        previous = self.finish()
+        mine = torch.tensor(stats.as_list(), dtype=torch.float64)
+        if self.num_stages > 1:
+            gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
+            self._pending = (dist.all_gather(gathered, mine, async_op=True), gathered, dict(extra))
+        else:
+            self._pending = (None, [mine], dict(extra))
+        return previous
+
+    def finish(self) -> dict[str, float]:
+        """Wait for the gather in flight (if any), add it to :attr:`totals` and return its values."""
+        if self._pending is None:
+            return {}
+        work, gathered, extra = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        per_stage = [StepStats.from_list(gathered[self.rank_of_stage(s)].tolist()) for s in range(self.num_stages)]
+        values = self._values(per_stage)
+        self.totals["bytes"] += values["clapping/bytes"]
+        self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
+        self.totals["control_bytes"] += sum(st.control_bytes for st in per_stage)
+        self.totals["steps"] += 1
+        return {**values, **extra}
+
+    def _values(self, per_stage: list[StepStats]) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for m in range(self.num_stages - 1):
+            values[f"clapping/b{m}_fwd_bytes"] = per_stage[m].fwd_bytes  # stage m sends forward over boundary m
+            values[f"clapping/b{m}_bwd_bytes"] = per_stage[m + 1].bwd_bytes  # stage m+1 sends backward over it
+        sent = sum(st.fwd_bytes + st.bwd_bytes for st in per_stage)
+        raw = sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
+        values["clapping/bytes"] = sent
+        values["clapping/ratio"] = raw / sent if sent else 1.0
+        for d in ("fwd", "bwd"):
+            diff = sum(getattr(st, f"{d}_diff_sq") for st in per_stage)
+            ref = sum(getattr(st, f"{d}_value_sq") for st in per_stage)
+            if ref > 0:
+                values[f"clapping/{d}_rel_diff"] = math.sqrt(diff / ref)
+        values["clapping/feedback_bytes"] = sum(st.feedback_bytes for st in per_stage)
+        if self.lazy_messages:
+            values["clapping/skipped_messages"] = sum(st.skipped for st in per_stage)
+        return values

@@ -1,0 +1,55 @@
+"""Training steps wait on no collective: the loss and the logs ride back with the gradients, byte numbers lag a step.
+
+One 3-stage run with Lightning's defaults (checkpointing, logger, progress bar) and a module that logs with
+``sync_dist=True``; every rank counts the collectives it enters inside each training step.
+"""
+
+import json
+import math
+
+import pytest
+
+from conftest import launch
+
+STAGES, STEPS = 3, 8
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collectives")
+    launch("collectives_run.py", str(out), "clapping-fc", "sync", cwd=out, timeout=240)
+    return [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(STAGES)]
+
+
+def test_no_training_step_waits_on_a_collective(ranks):
+    for rank, run in enumerate(ranks):
+        assert len(run["steps"]) == STEPS
+        for step, counted in enumerate(run["steps"]):
+            # the byte numbers' all_gather is started and left running; it is read a step later
+            assert counted["names"] == ["all_gather(async)"], (rank, step, counted["names"])
+
+
+def test_every_rank_gets_the_last_stages_loss_and_logs_in_the_same_step(ranks):
+    for step in range(STEPS):
+        losses = {run["steps"][step]["loss"] for run in ranks}
+        logged = {run["steps"][step]["logged"]["train_loss"] for run in ranks}
+        assert len(losses) == 1 and not math.isnan(losses.pop())
+        assert logged == {ranks[0]["steps"][step]["loss"]}  # logged this step, not the previous one
+        assert {run["steps"][step]["logged"]["synced_loss"] for run in ranks} == logged
+
+
+def test_sync_dist_reduces_over_replicas_not_stages(ranks):
+    # 64 samples, logged per step with reduce_fx="sum": a reduction over the stages would give 3 x 64
+    assert [run["samples"] for run in ranks] == [64.0] * STAGES
+
+
+def test_byte_numbers_arrive_one_step_late_and_sum_exactly(ranks):
+    rows = [run["steps"][step]["logged"] for run in ranks[:1] for step in range(STEPS)]
+    assert "clapping/bytes" not in rows[0]  # the first step has no earlier step to describe
+    logged = sum(r["clapping/bytes"] for r in rows[1:])  # steps 0..6, logged at steps 1..7
+    totals = ranks[0]["totals"]
+    assert totals["steps"] == STEPS  # the last step is added when training ends
+    # the last step's numbers are in the totals only; without lazy sampling every step sends the same messages
+    assert totals["bytes"] - logged == rows[-1]["clapping/bytes"]
+    assert totals["control_bytes"] > 0
+    assert all(run["totals"] == totals for run in ranks)
