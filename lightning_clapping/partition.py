@@ -46,6 +46,20 @@ class Partition:
     #: parameter count per stage
     stage_params: tuple[int, ...]
     spanning: tuple[str, ...] = field(default=())
+    #: parameters registered directly on a module whose forward spans stages (``self.pos = nn.Parameter(...)`` on the
+    #: LightningModule): every stage holds them; the one stage that uses them owns them (see :meth:`settle_owner`)
+    shared_params: tuple[str, ...] = field(default=())
+
+    def settle_owner(self, key: str, users: list[int]) -> None:
+        """Give the shared parameter ``key`` to the one stage that uses it (``users``: the stages that did)."""
+        if len(users) > 1:
+            raise PartitionError(
+                f"parameter {key!r} sits directly on a module whose forward runs on several stages, and stages "
+                f"{' and '.join(map(str, users))} both use it, so each would train its own copy. Move its uses into "
+                "one stage with `split_points`, or move the parameter into a submodule that one stage calls."
+            )
+        if users:
+            self.state_stage[key] = users[0]
 
     def owned_state_keys(self, stage: int) -> set[str]:
         """State-dict keys whose tensors are materialized on ``stage`` (its own plus the replicated ones)."""
@@ -283,17 +297,16 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
 
     # state tensors: a unit's own, or a spanning module's direct buffers (replicated everywhere)
     state_stage: dict[str, int | None] = {}
+    shared: list[str] = []
     owner_of_tensor: dict[int, tuple[str, int]] = {}
     stage_params = [0] * num_stages
     for i in spanning:
         mod_name, module = names[i], modules[names[i]]
         for pname, _ in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{pname}" if mod_name else pname
-            raise PartitionError(
-                f"parameter {full!r} sits directly on {mod_name or type(model).__name__!r}, whose forward runs on "
-                f"several stages, so no single stage can own it. Move it into a submodule (for example an "
-                f"nn.Embedding or a small nn.Module holding the parameter) or choose cut points outside that module."
-            )
+            # its forward runs on several stages: the owner is the one stage that uses it (found at the first step)
+            key = f"{mod_name}.{pname}" if mod_name else pname
+            state_stage[key] = None
+            shared.append(key)
         for bname, _ in module.named_buffers(recurse=False):
             state_stage[f"{mod_name}.{bname}" if mod_name else bname] = None
     for unit, stage in unit_stage.items():
@@ -323,6 +336,7 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
         state_stage=state_stage,
         stage_params=tuple(stage_params),
         spanning=tuple(names[i] for i in spanning),
+        shared_params=tuple(k for k in shared if k in saved),
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
 from lightning_clapping.partition import Partition, PartitionError
@@ -113,6 +114,28 @@ class StageRunner:
                 f"stage {self.stage} never reached its first module {self.entry!r}: the step did not call it. "
                 "Cut at a module that the forward calls on every batch."
             )
+
+    @contextmanager
+    def recording_uses(self, watched: dict[int, str]):
+        """Record which of ``watched`` (tensor id -> name) this stage's own code uses; yields the set of names.
+
+        Only operations while the stage is running its own part count: before its first module, an earlier stage's
+        code runs on placeholders, and nothing after its last module runs here.
+        """
+        used: set[str] = set()
+        runner = self
+
+        class _Uses(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if runner.state == _INSIDE:
+                    for x in tree_flatten((args, kwargs))[0]:
+                        if isinstance(x, Tensor) and id(x) in watched:
+                            used.add(watched[id(x)])
+                return func(*args, **kwargs)
+
+        with _Uses():
+            yield used
 
     def captured_tensors(self) -> list[Tensor]:
         if self.captured is None:

@@ -199,6 +199,7 @@ class ClappingStrategy(ParallelStrategy):
         self._checked_batch = False
         self._byte_stats: ByteStats | None = None
         self._local_logs: list[Any] | None = None
+        self._owners_settled = False
 
     # ------------------------------------------------------------------ topology
     @property
@@ -355,6 +356,7 @@ class ClappingStrategy(ParallelStrategy):
             step_results=True,
         )
         self._byte_stats = ByteStats(self.num_stages, self.rank_of_stage, self.lazy_messages is not None)
+        self._owners_settled = False
         self._checked_batch = False
         self._lazy_checked = False
         self._lazy_loader = None
@@ -479,7 +481,7 @@ class ClappingStrategy(ParallelStrategy):
         fingerprint = failures.fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
         results = (lambda outs: self._step_results(outs, sizes, fingerprint)) if self.executor.is_last else None
         with failures.reported(self.stage, self.global_rank, self.num_stages), \
-                self.precision_plugin.train_step_context():
+                self.precision_plugin.train_step_context(), self._finding_shared_owners():
             outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results)
         # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
         blob = self.executor.results if self.num_stages > 1 else self._step_results(outputs, sizes, None)
@@ -489,6 +491,30 @@ class ClappingStrategy(ParallelStrategy):
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
         return loss_t
+
+    @contextmanager
+    def _finding_shared_owners(self) -> Generator[None, None, None]:
+        """At the first step: which stage uses each parameter that sits directly on a module spanning stages (such as
+        ``self.pos = nn.Parameter(...)`` on the LightningModule)? That stage owns it (trains and saves it); the
+        others hold an unused copy. Two users are refused. One ``all_gather_object``, once."""
+        assert self.partition is not None and self.runner is not None
+        if self._owners_settled or not self.partition.shared_params:
+            yield
+            return
+        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
+        watched = {id(params[k]): k for k in self.partition.shared_params if k in params}
+        with self.runner.recording_uses(watched) as used:
+            yield
+        gathered: list[Any] = [sorted(used)]
+        if self.num_stages > 1:
+            gathered = [None] * self.num_stages
+            dist.all_gather_object(gathered, sorted(used))
+        for key in self.partition.shared_params:
+            self.partition.settle_owner(key, [s for s in range(self.num_stages)
+                                              if key in gathered[self.rank_of_stage(s)]])
+        self._owners_settled = True
+        owners = {k: self.partition.state_stage[k] for k in self.partition.shared_params}
+        rank_zero_info(f"ClappingStrategy: parameters on modules that span stages, by owning stage: {owners}")
 
     def _step_context(self, trainer: pl.Trainer, batch_idx: int, sizes: list[int]) -> tuple[StepContext, int, Any]:
         """What every stage knows about this step: its number, whether the batch is fresh, its sample ids."""
@@ -560,7 +586,7 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
-        with failures.reported(self.stage, self.global_rank, self.num_stages):
+        with failures.reported(self.stage, self.global_rank, self.num_stages), self._finding_shared_owners():
             outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":

@@ -78,3 +78,23 @@ def test_arguments_are_checked_when_the_strategy_is_built(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         lightning_clapping.ClappingStrategy(**kwargs)
+
+
+def test_parameters_on_the_lightning_module_are_trained_and_saved_by_the_stage_that_uses_them(tmp_path):
+    for mode in ("pipe", "single"):
+        launch("root_params_run.py", str(tmp_path), "owned", mode, cwd=tmp_path)
+    pipe, single = (torch.load(tmp_path / f"owned_{m}.pt") for m in ("pipe", "single"))
+    assert json.loads((tmp_path / "owned_pipe.json").read_text())["losses"] == pytest.approx(
+        json.loads((tmp_path / "owned_single.json").read_text())["losses"], abs=1e-5)
+    for part in ("weights", "checkpoint"):  # pos: stage 0 of 3; out_scale: the last stage
+        assert pipe[part].keys() == single[part].keys()
+        for key, value in single[part].items():
+            torch.testing.assert_close(pipe[part][key], value, atol=1e-5, rtol=0, msg=f"{part} {key}")
+
+
+def test_a_parameter_on_the_lightning_module_used_by_two_stages_is_refused_with_the_reason(tmp_path):
+    proc = launch("root_params_run.py", str(tmp_path), "twice", "pipe", cwd=tmp_path, expect_ok=False, timeout=240)
+    assert proc.returncode != 0
+    assert "'pos' sits directly on a module whose forward runs on several stages, and stages 0 and 2 both use it" \
+        in proc.stderr
+

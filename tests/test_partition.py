@@ -139,15 +139,20 @@ def test_nested_cut_points_are_refused():
         build_partition(TinyGPT(layers=4), 3, ["blocks.1", "blocks.1.mlp"])
 
 
-def test_parameter_on_a_module_spanning_stages_is_refused_with_advice():
+def test_parameter_on_a_module_spanning_stages_is_owned_by_the_stage_that_uses_it():
     class RootParam(nn.Module):
         def __init__(self):
             super().__init__()
             self.scale = nn.Parameter(torch.ones(4))
             self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
 
-    with pytest.raises(PartitionError, match="'scale' sits directly on.*Move it into a submodule"):
-        build_partition(RootParam(), 2, ["blocks.1"])
+    part = build_partition(RootParam(), 2, ["blocks.1"])
+    assert part.shared_params == ("scale",)
+    assert part.state_stage["scale"] is None  # every stage holds it until the first step shows who uses it
+    part.settle_owner("scale", [1])
+    assert part.state_stage["scale"] == 1 and "scale" not in part.owned_state_keys(0)
+    with pytest.raises(PartitionError, match="'scale'.*stages 0 and 1 both use it.*split_points"):
+        part.settle_owner("scale", [0, 1])
 
 
 def test_tied_weights_across_stages_are_refused():
