@@ -194,7 +194,8 @@ def estimate_seconds(plan: list[RunConfig]) -> float:
 
 
 class Recorder(L.Callback):
-    """Reads the strategy's per-step numbers from ``trainer.callback_metrics`` (rank 0 holds them first-hand)."""
+    """Reads the strategy's per-step numbers from ``trainer.callback_metrics`` (they describe the previous step) and
+    its exact sums from ``trainer.strategy.byte_totals``."""
 
     def __init__(self, metric: str) -> None:
         self.metric = metric
@@ -214,12 +215,17 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
         self.steps += 1
-        self.cum_bytes += float(m["clapping/bytes"])
-        self.feedback.append(float(m.get("clapping/feedback_bytes", 0.0)))
+        self.cum_bytes = trainer.strategy.byte_totals["bytes"]  # steps so far (the current one arrives next step)
+        if "clapping/feedback_bytes" in m:  # describes the previous step (none at the first)
+            self.feedback.append(float(m["clapping/feedback_bytes"]))
         if "clapping/distinct_samples" in m:
             self.drawn = float(m["clapping/distinct_samples"])
-        self.fresh += int(float(m.get("clapping/fresh", 1.0)) > 0.5)
+        self.fresh = int(trainer.strategy.byte_totals["fresh_steps"])
         self.train_loss.append(float(m["train_loss"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        totals = trainer.strategy.byte_totals  # now including the last step
+        self.cum_bytes, self.fresh = totals["bytes"], int(totals["fresh_steps"])
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:

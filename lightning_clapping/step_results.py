@@ -41,7 +41,8 @@ class ByteStats:
         self.rank_of_stage = rank_of_stage
         self.lazy_messages = lazy_messages
         self._pending: tuple[Any, list[torch.Tensor], dict[str, float]] | None = None
-        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "steps": 0}
+        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "skipped_messages": 0.0,
+                       "fresh_steps": 0.0, "steps": 0}
 
     def step(self, stats: StepStats, extra: dict[str, float]) -> dict[str, float]:
         """Start gathering this step's numbers; return the previous step's values to log ({} at the first step).
@@ -70,6 +71,8 @@ class ByteStats:
         self.totals["bytes"] += values["clapping/bytes"]
         self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
         self.totals["control_bytes"] += sum(st.control_bytes for st in per_stage)
+        self.totals["skipped_messages"] += sum(st.skipped for st in per_stage)
+        self.totals["fresh_steps"] += extra.get("clapping/fresh", 1.0)
         self.totals["steps"] += 1
         return {**values, **extra}
 

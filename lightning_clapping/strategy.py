@@ -238,6 +238,14 @@ class ClappingStrategy(ParallelStrategy):
         return 1
 
     @property
+    def byte_totals(self) -> dict[str, float]:
+        """Sums over the training steps so far, on every rank: ``bytes`` sent between stages (headers and step results
+        included), ``raw_bytes`` (the same messages uncompressed, fp32), ``control_bytes`` (the step results),
+        ``skipped_messages``, ``fresh_steps`` and ``steps``. During training they lag one step (the logged numbers
+        do too); after ``fit`` they are complete."""
+        return dict(self._byte_stats.totals) if self._byte_stats is not None else {}
+
+    @property
     def stage(self) -> int:
         """This rank's stage. The last stage runs on global rank 0 (see the module docstring)."""
         return self.num_stages - 1 - self.global_rank
@@ -325,6 +333,7 @@ class ClappingStrategy(ParallelStrategy):
             rank_zero_info(f"ClappingStrategy: {self.num_stages} stages, schedule {self.schedule}, "
                            f"{self.microbatches} micro-batches\n{self.partition.table()}")
         self._warn_batchnorm(module)
+        self._warn_empty_stages()
         self.runner = StageRunner(module, self.partition, self.stage)
         self.runner.release_foreign_state()
         self._materialize_own_stage(module)
@@ -375,6 +384,18 @@ class ClappingStrategy(ParallelStrategy):
             self._broadcast_logs()
 
         return hook
+
+    def _warn_empty_stages(self) -> None:
+        assert self.partition is not None
+        empty = [s for s, n in enumerate(self.partition.stage_params) if n == 0]
+        if empty and not self.partition.shared_params:
+            firsts = ("<start>",) + self.partition.cut_points
+            rank_zero_warn(
+                f"ClappingStrategy: stage(s) {', '.join(f'{s} (from {firsts[s]!r})' for s in empty)} hold no "
+                "parameters: such a process only passes activations on, and adds a link and its delay to every step. "
+                f"Choose split_points that give every stage some layers, or split_points=None to balance "
+                f"{self.num_stages} stages by parameter count."
+            )
 
     def _warn_batchnorm(self, module: pl.LightningModule) -> None:
         norms = [n for n, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -98,3 +99,44 @@ def test_a_parameter_on_the_lightning_module_used_by_two_stages_is_refused_with_
     assert "'pos' sits directly on a module whose forward runs on several stages, and stages 0 and 2 both use it" \
         in proc.stderr
 
+
+
+def test_split_points_that_leave_a_stage_without_parameters_are_warned_about():
+    from _models import SequentialMLP
+
+    import lightning_clapping
+    from lightning_clapping.partition import build_partition
+
+    strategy = lightning_clapping.ClappingStrategy(split_points=["net.1", "net.2"])
+    strategy.parallel_devices = [torch.device("cpu")] * 3
+    strategy.partition = build_partition(SequentialMLP(), 3, ["net.1", "net.2"])  # stage 1 is net.1, a Tanh
+    with pytest.warns(UserWarning, match=r"stage\(s\) 1 \(from 'net.1'\) hold no parameters"):
+        strategy._warn_empty_stages()
+    strategy.partition = build_partition(SequentialMLP(), 3, ["net.2", "net.4"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._warn_empty_stages()
+
+
+def test_feedback_buffers_from_other_cut_points_restart_empty_with_a_warning():
+    from types import SimpleNamespace
+
+    from _models import SequentialMLP
+
+    import lightning_clapping
+    from lightning_clapping.partition import build_partition
+
+    loaded = []
+    rule = SimpleNamespace(load_state=lambda state, device: loaded.append(state))
+    strategy = lightning_clapping.ClappingStrategy(split_points=["net.2", "net.4"])
+    strategy.parallel_devices = [torch.device("cpu")] * 3
+    strategy.partition = build_partition(SequentialMLP(), 3, ["net.2", "net.4"])
+    strategy.executor = SimpleNamespace(rules={"bwd_in": rule})
+    buffers = {f"stage{strategy.stage}": {"bwd_in": {"slot0": torch.ones(2)}}}
+    with pytest.warns(UserWarning, match=r"cut at \['net.4'\] and this run at \['net.2', 'net.4'\].*restart empty"):
+        strategy._restore_feedback({"clapping": {"cut_points": ["net.4"]}, "clapping_feedback": buffers})
+    assert loaded == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._restore_feedback({"clapping": {"cut_points": ["net.2", "net.4"]}, "clapping_feedback": buffers})
+    assert len(loaded) == 1 and torch.equal(loaded[0]["slot0"], torch.ones(2))

@@ -19,7 +19,7 @@ def _runs(tmp_path, variant, state_dict_type):
     first = json.loads((tmp_path / f"first_{variant}_{state_dict_type}.json").read_text())
     rest = json.loads((tmp_path / f"rest_{variant}_{state_dict_type}.json").read_text())
     assert len(full) == 14 and len(first) == 8 and len(rest) == 6
-    assert first == full[:8]
+    assert first[:7] == full[:7] and first[7][0] == full[7][0]  # a run's last step has no numbers logged after it
     return full, rest
 
 

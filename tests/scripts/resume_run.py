@@ -23,9 +23,13 @@ class Losses(L.Callback):
         self.rows = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        """Rows [loss, fresh, bytes] per step; the strategy logs a step's numbers at the next step (the last step of a
+        run keeps None for them)."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         m = trainer.callback_metrics
-        self.rows.append([float(loss), float(m.get("clapping/fresh", 1.0)), float(m["clapping/bytes"])])
+        if self.rows:
+            self.rows[-1][1:] = [float(m["clapping/fresh"]), float(m["clapping/bytes"])]
+        self.rows.append([float(loss), None, None])
 
 
 def main(out, mode, variant="clapping-fc", state_dict_type="full"):
