@@ -1,6 +1,7 @@
 """Codec speed: encode+decode throughput of every codec against a plain memory copy of the same tensor.
 
-    python benchmarks/codec_speed.py [--quick | --tiny] [--threads N] [--hot-cache] [--out benchmarks/results]
+    python benchmarks/codec_speed.py [--quick | --tiny | --payloads-only] [--threads N] [--hot-cache]
+                                     [--out benchmarks/results]
 
 Each codec runs on fp32 activations shaped like a pipeline message, ``[batch*seq, hidden]``: (2048, 512) and
 (8192, 512), i.e. 1 M and 4 M values. Every repeat of one loop times ``y.copy_(x)``, ``encode``, ``decode`` (into a
@@ -12,6 +13,11 @@ runs on a shared machine.
 ``--threads`` (default 1) sets torch's intra-op threads: a pipeline stage process gets one thread when several
 stages share a small CPU. ``--tiny`` is a smoke test (small tensors, 2 repeats). Results go to ``codec_speed.json``
 and ``codec_speed.csv`` under ``--out``, with a description of the machine.
+
+Every run also prints (and stores under ``"payloads"`` in the JSON) the bytes of the quantizers with float32 and
+fp16 scales at two message shapes of the project's benchmarks, computed, not timed: ``payload_nbytes`` of the codec
+and the whole data message (``lightning_clapping.channel.message_nbytes``: header, shape and alignment included),
+each against the same tensor sent as float32. ``--payloads-only`` prints just that table.
 """
 
 from __future__ import annotations
@@ -27,13 +33,49 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lightning_clapping.channel import message_nbytes  # noqa: E402
 from lightning_clapping.codecs import compression_ratio, get_codec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe  # noqa: E402
 
-CODECS = ["identity", "bf16", "fp16", "fp8", "q8", "q4", "q2", "q4:group128", "q4:sr", "topk:0.1", "randk:0.1"]
+CODECS = ["identity", "bf16", "fp16", "fp8", "q8", "q4", "q2", "q4:group128", "q4:sr", "q4:fp16", "q8:fp16",
+          "topk:0.1", "topk:0.1+q8", "randk:0.1", "randk:0.1+q4"]
 HEADLINE = "q4"
+# Message shapes of the benchmarks: a 16 x 256 MLP activation, and the character transformer's activation
+# (context 128, width 128) for a whole batch of 32 and for one micro-batch of 4 (BENCHMARKS.md section 1 splits the
+# batch of 32 into 8 micro-batches: each message is 4 x 128 x 128).
+PAYLOAD_SHAPES = [(16, 256), (32, 128, 128), (4, 128, 128)]
+PAYLOAD_CODECS = ["q4", "q4:fp16", "q8", "q8:fp16", "topk:0.1", "topk:0.1+q8", "randk:0.1", "randk:0.1+q4"]
+
+
+def payload_rows(shapes=PAYLOAD_SHAPES, specs=PAYLOAD_CODECS) -> list[dict]:
+    """Bytes on the wire per codec and shape: the payload and the whole message, each against float32."""
+    rows = []
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        fp32_message = message_nbytes([(shape, 4 * n)])
+        for spec in specs:
+            payload = get_codec(spec).payload_nbytes(shape, torch.float32)
+            message = message_nbytes([(shape, payload)])
+            rows.append({"shape": "x".join(map(str, shape)), "codec": spec, "fp32_payload_bytes": 4 * n,
+                         "payload_bytes": payload, "payload_ratio": 4 * n / payload,
+                         "fp32_message_bytes": fp32_message, "message_bytes": message,
+                         "message_ratio": fp32_message / message})
+    return rows
+
+
+def print_payloads(rows: list[dict]) -> None:
+    head = (f"{'shape':>11} {'codec':<12} {'fp32 B':>8} {'payload B':>9} {'ratio':>6} {'fp32 msg B':>10} "
+            f"{'msg B':>8} {'ratio':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['shape']:>11} {r['codec']:<12} {r['fp32_payload_bytes']:>8} {r['payload_bytes']:>9} "
+              f"{r['payload_ratio']:>5.2f}x {r['fp32_message_bytes']:>10} {r['message_bytes']:>8} "
+              f"{r['message_ratio']:>5.2f}x")
 
 
 def machine() -> dict:
@@ -120,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer repeats (under a minute)")
     size.add_argument("--tiny", action="store_true", help="smoke test: small tensors, 2 repeats (a few seconds)")
+    size.add_argument("--payloads-only", action="store_true",
+                      help="print the payload table (bytes per codec and message shape) and time nothing")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and CSV")
     parser.add_argument("--codecs", nargs="+", default=CODECS, help="codec names to measure")
@@ -128,6 +172,10 @@ def main(argv: list[str] | None = None) -> None:
                              "and decode starts with its input in memory, not in cache)")
     args = parser.parse_args(argv)
 
+    payloads = payload_rows()
+    if args.payloads_only:
+        print_payloads(payloads)
+        return
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     if args.tiny:
@@ -159,12 +207,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n{HEADLINE} (per-channel) on {r['shape']}: encode+decode at {r['ratio_to_copy']:.2f} of memory-copy "
                   f"throughput ({r['encode_decode_gbps']:.2f} vs {r['copy_gbps']:.2f} GB/s of fp32 input); "
                   f"{r['ratio_to_copy_decode_into']:.2f} decoding into a reused buffer", end="")
-    print()
+    print("\n\nBytes on the wire (computed): payload and whole message against the same tensor in float32\n")
+    print_payloads(payloads)
 
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {"warmup": warmup, "repeats": repeats, "shapes": ["x".join(map(str, s)) for s in shapes],
                 "mode": "tiny" if args.tiny else "quick" if args.quick else "full", "cache_flushed": not args.hot_cache}
-    (args.out / "codec_speed.json").write_text(json.dumps({"machine": info, "settings": settings, "rows": rows}, indent=2))
+    (args.out / "codec_speed.json").write_text(
+        json.dumps({"machine": info, "settings": settings, "rows": rows, "payloads": payloads}, indent=2))
     with open(args.out / "codec_speed.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

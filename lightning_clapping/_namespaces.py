@@ -242,7 +242,8 @@ def _public(name: str) -> Any:
         if home in mirrored_modules():
             return getattr(importlib.import_module(f"{TWIN}.{home}"), name)
         return obj
-    if (_PACKAGE_DIR / f"{name}.py").is_file() and name not in mirrored_modules():
+    shared = (_PACKAGE_DIR / f"{name}.py").is_file() or (_PACKAGE_DIR / name / "__init__.py").is_file()
+    if shared and name not in mirrored_modules():
         return importlib.import_module(f"{PACKAGE}.{name}")  # a shared module, for `from ... import codecs`
     raise AttributeError(f"module {TWIN!r} has no attribute {name!r}")
 

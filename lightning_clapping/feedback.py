@@ -8,7 +8,8 @@ named by the part's codec id:
 ``FULL``   the tensor's own bytes, and both ends reset their buffer to it (a fresh batch under Clapping-FU, the first
            message of a slot, the first visit of a sample under AQ-SGD)
 ``CODEC``  a codec payload: of the difference to the buffer (feedback variants: both ends add the decoded
-           difference to their buffer and use the buffer) or of the value itself (``direct``)
+           difference to their buffer and use the buffer) or of the value itself (``direct``; and clapping-fu's
+           fresh steps under a ``fresh_codec``, where both ends reset their buffer to the decoded value)
 ``SKIP``   nothing: both ends keep the buffer (lazy messages)
 
 Both ends apply the *decoded* payload, so their buffers stay bit-identical. The variants (``variant=`` of the
@@ -33,8 +34,18 @@ messages have stored their rows, and this rule gives it the sender's answer. A r
 its earlier occurrence left; a sample repeated within one micro-batch keeps the row of its last occurrence.
 
 ``ef21`` and ``clapping-fc`` share one rule; the baseline is the rule run without lazy sampling (every batch
-fresh). The first message of each slot (and any change of shape, e.g. a smaller last batch) is sent FULL when
-``warm_start`` is on, since an empty buffer makes the first difference as large as the activation.
+fresh).
+
+A separate codec for fresh steps (``fresh_codec``, off by default) applies to the feedback variants (ef21,
+clapping-fc, clapping-fu): on a fresh step clapping-fu sends ``fresh_codec(a)`` instead of ``a`` in full precision
+(still a reset: both ends set the buffer to the decoded value), and ef21 / clapping-fc compress the difference with
+``fresh_codec`` instead of ``codec``; reuse steps keep ``codec``. Such a message is a ``CODEC`` part: the receiver
+knows which codec and which rule apply from the fresh flag, which both ends share, and :meth:`MessageRule.mode`
+names it ``"fresh"`` so that both ends predict its size. direct and aqsgd have no fresh-step form and ignore it.
+
+The first message of each slot (and any change of shape, e.g. a smaller last batch) is sent FULL when
+``warm_start`` is on, since an empty buffer makes the first difference as large as the activation (under
+clapping-fu with a fresh codec, step 0 is a fresh step like any other: its reset is sent by the fresh codec).
 
 Lazy messages (off by default) skip a reuse-step message while the last difference sent on that slot was small
 relative to the buffer (``lazy_threshold``), at most ``max_skips`` times in a row. The trigger uses only what both
@@ -103,9 +114,12 @@ class MessageRule:
         store_dtype: torch.dtype | None = torch.float16,
         lazy_threshold: float | None = None,
         max_skips: int = 2,
+        fresh_codec: str | Codec | None = None,
     ) -> None:
         self.variant = check_variant(variant)
         self.codec = get_codec(codec)
+        #: codec of fresh-step messages for the feedback variants (module docstring); None: as before
+        self.fresh_codec = None if fresh_codec is None else get_codec(fresh_codec)
         self.boundary = boundary
         self.direction = direction
         self.warm_start = warm_start
@@ -164,17 +178,30 @@ class MessageRule:
         """The wire form the next message of ``slot`` will take, computed from state both ends share.
 
         It may depend only on state that no other slot's message changes: the receiver computes it for every slot
-        when the step starts, the sender just before encoding.
+        when the step starts, the sender just before encoding. Forms: ``("raw",)``, ``("direct",)``,
+        ``("per-sample", visited)``, ``("full",)``, ``("fresh",)`` (clapping-fu's reset by the fresh codec), or one
+        of ``"codec"``, ``"fresh"`` (the fresh codec) and ``"skip"`` per buffer of the slot.
         """
         if self.kind in ("raw", "direct"):
             return (self.kind,)
         if self.kind == "per-sample":
             return ("per-sample", self._visited(slot, ctx, self.store[min(self.store)] if self.store else {}))
+        fresh = self._fresh_codec(ctx) is not None
+        if self.reset_on_fresh and ctx.fresh:
+            return ("fresh",) if fresh else ("full",)
         rows = self.key(slot, 0, ctx)[2]
         keys = sorted(k for k in self.buffers if k[0] == slot and k[2] == rows)
-        if not keys or (self.reset_on_fresh and ctx.fresh):
+        if not keys:
             return ("full",)
-        return tuple("skip" if self._should_skip(k, ctx) else "codec" for k in keys)
+        return tuple("skip" if self._should_skip(k, ctx) else "fresh" if fresh else "codec" for k in keys)
+
+    def _fresh_codec(self, ctx: StepContext) -> Codec | None:
+        """The codec of this step's fresh-step messages, or None when the step is not fresh or there is none."""
+        return self.fresh_codec if ctx.fresh and self.kind == "feedback" else None
+
+    def _codec(self, ctx: StepContext) -> Codec:
+        """The codec of this step's compressed messages."""
+        return self._fresh_codec(ctx) or self.codec
 
     # ------------------------------------------------------------------ sender
     def encode(self, slot: int, tensors: list[Tensor], ctx: StepContext) -> list[Part]:
@@ -204,6 +231,12 @@ class MessageRule:
         key = self.key(slot, k, ctx)
         ref = self.buffers.get(key)
         fresh_reset = self.reset_on_fresh and ctx.fresh
+        codec = self._codec(ctx)
+        if fresh_reset and self.fresh_codec is not None:  # clapping-fu's reset, sent by fresh_codec
+            payload = codec.encode(t, seed=seed)
+            self._set(key, codec.decode(payload, t.shape, t.dtype, seed=seed))
+            self._count_compressed(t, t)
+            return Part(CODEC, t.dtype, shape, payload, flags)
         if ref is None or ref.shape != t.shape or ref.dtype != t.dtype or fresh_reset:
             if self.warm_start or fresh_reset:
                 self._set(key, t.clone())
@@ -216,12 +249,17 @@ class MessageRule:
             self.stats.skipped += 1
             return Part(SKIP, t.dtype, shape, t.new_empty(0, dtype=torch.uint8), flags)
         diff = t - ref
-        payload = self.codec.encode(diff, seed=seed)
-        self._apply(key, self.codec.decode(payload, t.shape, t.dtype, seed=seed))
-        self.stats.compressed += 1
-        self.stats.diff_sq += float(diff.float().pow(2).sum())
-        self.stats.value_sq += float(t.float().pow(2).sum())
+        payload = codec.encode(diff, seed=seed)
+        self._count_compressed(diff, t)
+        self._apply(key, codec.decode_into(payload, diff, seed=seed))  # the difference is not needed any more
         return Part(CODEC, t.dtype, shape, payload, flags)
+
+    def _count_compressed(self, sent: Tensor, value: Tensor) -> None:
+        """Stats of a compressed message: ``sent`` is what the codec compressed (the difference, or the value itself
+        for clapping-fu's reset by the fresh codec), ``value`` what it stands for."""
+        self.stats.compressed += 1
+        self.stats.diff_sq += _sq_norm(sent)
+        self.stats.value_sq += _sq_norm(value)
 
     def _encode_per_sample(self, slot, k, t, flags, ctx, seed) -> Part:
         ids = _ids(ctx, slot, t)
@@ -234,9 +272,7 @@ class MessageRule:
         diff = t - ref
         payload = self.codec.encode(diff, seed=seed)
         self._store_rows(rows, ids, ref + self.codec.decode(payload, t.shape, t.dtype, seed=seed))
-        self.stats.compressed += 1
-        self.stats.diff_sq += float(diff.float().pow(2).sum())
-        self.stats.value_sq += float(t.float().pow(2).sum())
+        self._count_compressed(diff, t)
         return Part(CODEC, t.dtype, tuple(t.shape), payload, flags)
 
     # ------------------------------------------------------------------ receiver
@@ -255,7 +291,7 @@ class MessageRule:
                     self._set(key, value.clone())
                 out.append(value)
             elif p.codec == CODEC:
-                decoded = self.codec.decode(p.payload, torch.Size(p.shape), p.dtype, seed=seed)
+                decoded = self._codec(ctx).decode(p.payload, torch.Size(p.shape), p.dtype, seed=seed)
                 if self.kind == "direct":
                     out.append(decoded)
                 elif self.kind == "per-sample":
@@ -264,6 +300,9 @@ class MessageRule:
                     value = torch.stack([rows[int(i)] for i in ids.tolist()]).to(p.dtype) + decoded
                     self._store_rows(rows, ids, value)
                     out.append(value)
+                elif self.reset_on_fresh and ctx.fresh:  # clapping-fu's reset, sent by fresh_codec
+                    self._set(key, decoded)
+                    out.append(decoded.clone())
                 else:
                     ref = self.buffers.get(key)
                     if ref is None or ref.shape != decoded.shape or ref.dtype != decoded.dtype:
@@ -343,6 +382,12 @@ class MessageRule:
     def take_stats(self) -> RuleStats:
         stats, self.stats = self.stats, RuleStats()
         return stats
+
+
+def _sq_norm(t: Tensor) -> float:
+    """Squared L2 norm, accumulated in float32 or wider (one pass, no temporary for float32 tensors)."""
+    wide = t.dtype if t.dtype == torch.float64 else torch.float32
+    return float(torch.linalg.vector_norm(t, dtype=wide)) ** 2
 
 
 def _ids(ctx: StepContext, slot: int, t: Tensor) -> Tensor:

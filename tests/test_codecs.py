@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_clapping import codecs
+from lightning_clapping.codecs import registry
 from lightning_clapping.codecs import (
     Codec,
     NonFiniteError,
@@ -22,8 +23,9 @@ from lightning_clapping.codecs import (
 
 CASTS = ["bf16", "fp16"] + [name for name in ("fp8", "fp8_e5m2") if name in codecs.available_codecs()]
 QUANTIZERS = ["q1", "q1:sr", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q4:tensor", "q4:group128", "q3:group7:sr",
-              "q8:sr", "q2:group64:sr"]
-SPARSIFIERS = ["topk:0.1", "topk:1", "randk:0.1", "randk:0.5"]
+              "q8:sr", "q2:group64:sr", "q4:fp16", "q8:fp16", "q1:fp16", "q3:group7:fp16:sr", "q4:tensor:fp16"]
+SPARSIFIERS = ["topk:0.1", "topk:1", "randk:0.1", "randk:0.5", "topk:0.1+q8", "randk:0.25+q4", "topk:1+q4:fp16",
+               "topk:0.2+q4:group16:fp16:sr", "randk:0.5+q2:sr"]
 LOSSY = CASTS + QUANTIZERS + SPARSIFIERS
 ALL = ["identity"] + LOSSY
 SHAPES = [(), (0,), (1,), (7,), (63,), (64,), (65,), (3, 0), (5, 13), (2, 3, 129), (128, 64), (1000,)]
@@ -50,6 +52,13 @@ def test_a_codec_name_recreates_the_same_codec(spec):
 
 def test_options_are_read_in_any_order_and_named_canonically():
     assert get_codec("q2:sr:group64").name == "q2:group64:sr"
+    assert get_codec("q2:sr:fp16:group64").name == "q2:group64:fp16:sr"
+    assert get_codec("topk:0.1+q4:sr:fp16").name == "topk:0.1+q4:fp16:sr"
+
+
+def test_existing_quantizer_names_keep_float32_scales():
+    assert get_codec("q4").scale_dtype == torch.float32 and get_codec("q4:fp16").scale_dtype == torch.float16
+    assert get_codec("topk:0.1").values is None and get_codec("topk:0.1+q8").values.name == "q8"
 
 
 def test_a_codec_instance_passes_through_get_codec():
@@ -74,9 +83,24 @@ def test_sparsifier_ratios_outside_zero_to_one_are_refused(spec):
         get_codec(spec)
 
 
-@pytest.mark.parametrize("spec", ["q4:group0", "q4:tensor:group8", "q4:foo", "q4:sr:sr", "q4:"])
+@pytest.mark.parametrize("spec", ["q4:group0", "q4:tensor:group8", "q4:foo", "q4:sr:sr", "q4:", "q4:fp16:fp16",
+                                  "q4:bf16", "q4:fp32"])
 def test_bad_quantizer_options_are_refused_with_the_allowed_ones(spec):
-    with pytest.raises(ValueError, match="allowed"):
+    with pytest.raises(ValueError, match="allowed.*'fp16'.*'sr'"):
+        get_codec(spec)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("topk:0.1+bf16", r"after '\+' comes a quantizer q1..q8"),
+    ("randk:0.1+topk:0.1", r"after '\+' comes a quantizer q1..q8"),
+    ("topk:0.1+q9", r"bad value quantizer in 'topk:0.1\+q9'.*1..8"),
+    ("topk:0.1+q4:foo", r"bad value quantizer.*allowed"),
+    ("randk:0.1+", r"bad value quantizer.*unknown codec"),
+    ("topk:2+q8", r"ratio in \(0, 1\]"),
+    ("topk", r"'topk:0.1\+q8'"),
+])
+def test_bad_sparse_value_quantizers_are_refused_saying_what_is_allowed(spec, message):
+    with pytest.raises(ValueError, match=message):
         get_codec(spec)
 
 
@@ -92,7 +116,7 @@ def test_registering_a_taken_prefix_needs_replace():
 
 
 def test_a_user_codec_registered_in_a_few_lines_works_through_get_codec(monkeypatch):
-    monkeypatch.setattr(codecs, "_FACTORIES", dict(codecs._FACTORIES))
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
 
     class Negate(Codec):  # a lossless toy: sends -x as raw float32 bytes
         name = "negate"
@@ -169,6 +193,26 @@ def test_the_kept_count_uses_the_exact_ratio():
     assert get_codec("topk:0.3").encode(torch.randn(10)).numel() == 2 * 3 + math.ceil(3 * 4 / 8)
 
 
+def test_fp16_scales_take_two_bytes_each_plus_one_two_byte_exponent():
+    assert get_codec("q4:fp16").encode(torch.randn(16, 64)).numel() == 512 + 2 + 2 * 64
+    assert get_codec("q4:tensor:fp16").encode(torch.randn(1024)).numel() == 512 + 2 + 2
+    assert get_codec("q8:group128:fp16").encode(torch.randn(1000)).numel() == 1000 + 2 + 2 * 8
+    assert get_codec("q4:fp16").encode(torch.randn(0, 64)).numel() == 0
+
+
+@pytest.mark.parametrize(("spec", "n", "expected"), [
+    # k = 100 of 1000 values; indices take ceil(log2 1000) = 10 bits: ceil(100 * 10 / 8) = 125 bytes
+    ("topk:0.1+q8", 1000, (4 + 100) + 125),  # one float32 scale + 100 one-byte codes
+    ("topk:0.1+q4:group16:fp16", 1000, (2 + 2 * 7 + 50) + 125),  # 7 groups of kept values, fp16 scales
+    ("randk:0.25+q4", 1000, 4 + 125),  # k = 250 four-bit codes, no indices
+    ("randk:0.1+q2:sr", 999, 4 + 25),  # k = ceil(99.9) = 100
+])
+def test_sparse_quantized_payloads_are_the_quantizers_payload_of_the_kept_values_plus_indices(spec, n, expected):
+    codec = get_codec(spec)
+    assert codec.payload_nbytes((n,), torch.float32) == expected
+    assert codec.encode(torch.randn(n), seed=1).numel() == expected
+
+
 def test_compression_ratio_is_fp32_bytes_over_payload_bytes():
     assert compression_ratio("identity", (10,)) == 1.0
     assert compression_ratio("bf16", (10, 10)) == 2.0
@@ -231,7 +275,7 @@ def test_one_bit_sends_the_sign_times_the_mean_magnitude_per_channel():
     torch.testing.assert_close(_round_trip("q1", x), expected)
 
 
-@pytest.mark.parametrize("spec", ["q4:tensor:sr", "q2:group16:sr", "q8:sr", "q1:sr", "q3:sr"])
+@pytest.mark.parametrize("spec", ["q4:tensor:sr", "q2:group16:sr", "q8:sr", "q1:sr", "q3:sr", "q4:tensor:fp16:sr"])
 def test_stochastic_rounding_is_unbiased(spec):
     codec = get_codec(spec)
     gen = torch.Generator().manual_seed(0)
@@ -280,12 +324,149 @@ def test_a_constant_per_scale_tensor_decodes_exactly(spec):
     assert torch.equal(_round_trip(spec, x), x)
 
 
-@pytest.mark.parametrize("spec", ["q2", "q3", "q4", "q8", "q4:group32", "q4:sr", "q2:tensor:sr"])
+@pytest.mark.parametrize("spec", ["q2", "q3", "q4", "q8", "q4:group32", "q4:sr", "q2:tensor:sr", "q4:fp16",
+                                  "q8:fp16:sr", "topk:0.5+q4", "randk:0.5+q8"])
 def test_zeros_stay_zeros_through_quantizers_of_two_bits_and_more(spec):
     x = torch.randn(64, 32)
     x[x.abs() < 0.5] = 0.0
     decoded = _round_trip(spec, x)
     assert bool((decoded[x == 0] == 0).all())
+
+
+# -- fp16 scales ---------------------------------------------------------------------------------------------------
+
+
+def _sent_fp16_scales(codec: QuantCodec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mantissas, scales) a fp16-scale payload holds: scale = mantissa * 2**exponent, as float64."""
+    n_scales = codec._layout(x.shape)[0]
+    payload = codec.encode(x)
+    exponent = int(payload[:2].view(torch.int16))
+    mantissas = payload[2 : 2 + 2 * n_scales].view(torch.float16)
+    return mantissas, mantissas.double() * 2.0**exponent
+
+
+def _channel_max_abs(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().amax(0).double()
+
+
+def test_fp16_scales_are_the_max_abs_rounded_up_to_fp16_precision():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 200, generator=gen) * 10.0 ** torch.linspace(-4, 4, 200)  # all within 2**28 of the largest
+    codec = get_codec("q4:fp16")
+    mantissas, sent = _sent_fp16_scales(codec, x)
+    peak = _channel_max_abs(x)
+    below = torch.nextafter(mantissas, torch.tensor(0.0, dtype=torch.float16)).double() * (sent / mantissas.double())
+    assert bool((sent >= peak).all()) and bool((below < peak).all())  # the smallest such value not below the max-abs
+    assert bool((sent <= peak * (1 + 2.0**-10)).all())
+    decoded = _round_trip(codec, x)
+    assert bool(((decoded - x).abs() <= sent.float() / (2 * codec.levels) * (1 + 1e-5)).all())
+    assert torch.equal(decoded.abs().amax(0), sent.float())  # the top code decodes to the sent scale exactly
+
+
+@pytest.mark.parametrize("peak", [1e-45, 3e-42, 1e-39, 1e-30, 1.0, 1e30, 3.4e38])
+def test_both_ends_use_the_same_fp16_scales_at_every_float32_magnitude(peak):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(6, 64, generator=gen) * torch.logspace(0, -6, 64) * peak  # channel scales from peak down 1e6
+    x[0] = x.abs().amax(0)  # each channel's max-abs sits in row 0, with a positive sign
+    codec = get_codec("q4:fp16")
+    _, sent = _sent_fp16_scales(codec, x)
+    assert torch.equal(sent.float().double(), sent)  # the sent scales are float32 values
+    # the top code decodes to the scale exactly: the receiver rebuilt the sender's scales, even below 2**-126
+    assert torch.equal(_round_trip(codec, x)[0], sent.float())
+
+
+@pytest.mark.parametrize("spec", ["q4:fp16", "q8:group96:fp16", "q4:fp16:sr", "q2:tensor:fp16"])
+def test_constants_with_fp16_precision_decode_exactly_under_fp16_scales(spec):
+    gen = torch.Generator().manual_seed(1)
+    constants = (torch.rand(512, generator=gen) - 0.5) * 10.0 ** torch.arange(-4, 4).repeat(64)
+    constants = constants.half().float()  # 11 significant bits: an fp16 mantissa times a power of two
+    if "group" in spec:
+        x = constants.repeat_interleave(96).view(-1, 96)
+    elif "tensor" in spec:
+        x = torch.full((4, 64), float(constants[0]))
+    else:
+        x = constants.expand(16, 512).clone()
+    assert torch.equal(_round_trip(spec, x), x)
+
+
+@pytest.mark.parametrize("peaks", [[7e4, 1e5, 3e6, 1e9, 1e12], [1e30, 1e35, 3e38, 3.4e38, 3.4028234663852886e38]],
+                         ids=["beyond-fp16", "up-to-float32-max"])
+@pytest.mark.parametrize("spec", ["q4:fp16", "q8:fp16", "q1:fp16", "q4:tensor:fp16:sr", "q3:group5:fp16"])
+def test_fp16_scales_beyond_fp16_range_are_sent_finite_and_decode_within_the_bound(spec, peaks):
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(2))
+    x = x / x.abs().amax(0) * torch.tensor(peaks)  # each channel's max-abs is its peak (fp16 overflows from 65520)
+    x[0, -1], x[1, -1] = peaks[-1], -peaks[-1]  # up to the largest float32 value, both signs
+    assert not bool(torch.isfinite(x.abs().amax(0).half()).any())  # plain fp16 scales would all be inf
+    codec = get_codec(spec)
+    mantissas, _ = _sent_fp16_scales(codec, x)
+    assert bool(torch.isfinite(mantissas).all())
+    decoded = _round_trip(codec, x, seed=1)
+    assert bool(torch.isfinite(decoded).all())
+    if codec.bits > 1:
+        # float32's largest value cannot be rounded up: its scale rounds down, by less than 2**-11 of it
+        step = _max_abs_per_value(x, codec).double() * (1 + 2.0**-10) / codec.levels
+        bound = step if codec.stochastic else step / 2
+        assert bool(((decoded.double() - x.double()).abs() <= bound).all())
+        low = peaks[-1] * (1 - 2.0**-11)
+        assert float(decoded[0, -1]) >= low and float(decoded[1, -1]) <= -low
+
+
+@pytest.mark.parametrize("spec", ["q4:fp16", "q8:fp16:sr", "q4:group5:fp16", "q1:fp16"])
+def test_fp16_scales_of_a_message_of_subnormal_values_keep_their_grid(spec):
+    # plain fp16 would flush these scales to zero and every value with them; the shared exponent keeps them
+    codec = get_codec(spec)
+    x = _tiny_channels(with_normal=False, dtype=torch.float32)
+    assert not bool(x.abs().amax(0).half().any())
+    decoded = _round_trip(codec, x, seed=3)
+    assert bool(torch.isfinite(decoded).all()) and bool((decoded[x == 0] == 0).all())
+    if codec.bits > 1:
+        step = _max_abs_per_value(x, codec) * (1 + 2.0**-10) / codec.levels
+        bound = (step if codec.stochastic else step / 2) * (1 + 1e-5) + 2.0**-148
+        assert bool(((decoded - x).abs() <= bound).all()), float(((decoded - x).abs() / bound).max())
+        assert bool((decoded * x >= 0).all())
+    assert bool((decoded != 0).any())
+
+
+def test_fp16_scales_far_below_the_largest_one_still_bound_the_error_and_never_become_zero():
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(4)) * torch.tensor([1e30, 1.0, 1e-20, 0.0])
+    codec = get_codec("q4:fp16")
+    mantissas, sent = _sent_fp16_scales(codec, x)
+    assert bool((sent[:3] > 0).all()) and float(sent[3]) == 0.0  # non-zero stays non-zero, zero stays zero
+    decoded = _round_trip(codec, x)
+    assert bool(((decoded.double() - x.double()).abs() <= sent.float().double() / (2 * codec.levels) * (1 + 1e-5)).all())
+    assert bool((decoded[:, 3] == 0).all())
+
+
+# -- sparsifiers with quantized values -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, bits", [("topk:0.1+q8", 8), ("topk:0.1+q4", 4), ("topk:0.05+q4:fp16", 4)])
+def test_topk_with_quantized_values_keeps_the_largest_and_errs_by_half_a_step_of_their_max(spec, bits):
+    gen = torch.Generator().manual_seed(0)
+    n = 5000
+    x = (torch.randperm(n, generator=gen).float() + 1) / n * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    codec = get_codec(spec)
+    k = codec.count(n)
+    kept = x.abs().topk(k).indices
+    decoded = _round_trip(codec, x, seed=2)
+    assert bool(torch.isin(decoded.nonzero().view(-1), kept).all())  # nothing outside the top k
+    bound = x[kept].abs().max() * (1 + 2.0**-10 if "fp16" in spec else 1) / (2 * _levels(bits))
+    assert bool(((decoded[kept] - x[kept]).abs() <= bound * (1 + 1e-5)).all())
+    assert float((decoded - x)[kept].abs().max()) > 0  # the values were quantized, not sent as fp16
+
+
+@pytest.mark.parametrize("spec, bits", [("randk:0.25+q4", 4), ("randk:0.1+q8:group32", 8)])
+def test_randk_with_quantized_values_sends_the_seeded_positions_within_half_a_step(spec, bits):
+    codec = get_codec(spec)
+    gen = torch.Generator().manual_seed(1)
+    x = (1 + torch.rand(40, 50, generator=gen)) * torch.where(torch.rand(40, 50, generator=gen) < 0.5, -1.0, 1.0)
+    # magnitudes in [1, 2): no kept value is within half a step of zero
+    decoded = codec.decode(codec.encode(x, seed=11), x.shape, x.dtype, seed=11)
+    positions = codec.positions(x.numel(), 11)
+    assert torch.equal(decoded.view(-1).nonzero().view(-1), positions)
+    kept = x.view(-1)[positions]
+    scale = kept.abs().max() if "group" not in spec else _max_abs_per_value(kept, codec.values)
+    assert bool(((decoded.view(-1)[positions] - kept).abs() <= scale / (2 * _levels(bits)) * (1 + 1e-5)).all())
 
 
 def _tiny_channels(with_normal: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -367,6 +548,18 @@ def test_decode_into_a_given_buffer_matches_decode(spec, dtype):
     for out in (torch.full_like(x, 7.0), torch.full((40, 24), 7.0, dtype=dtype).t()):  # contiguous or not
         assert codec.decode_into(payload, out, seed=4) is out
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("spec", ["q4", "q4:fp16", "q3:group7:sr"])
+def test_a_quantizer_encodes_into_a_slice_of_a_larger_buffer_and_refuses_a_wrong_size(spec):
+    codec = get_codec(spec)
+    x = torch.randn(10, 12)
+    n = codec.payload_nbytes(x.shape, x.dtype)
+    buffer = torch.zeros(8 + n + 3, dtype=torch.uint8)
+    assert torch.equal(codec.encode_into(x, buffer[8 : 8 + n], seed=5), codec.encode(x, seed=5))
+    assert not bool(buffer[:8].any()) and not bool(buffer[8 + n :].any())  # nothing written outside the slice
+    with pytest.raises(ValueError, match=f"needs {n} uint8 bytes"):
+        codec.encode_into(x, buffer[8 : 8 + n - 1])
 
 
 @pytest.mark.parametrize("spec", ["identity", "q4", "topk:0.1", "randk:0.1", "bf16"])

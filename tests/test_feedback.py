@@ -59,7 +59,7 @@ def _inputs(steps=12, slots=3, seed=0, p=0.5, sizes=None, pool=None):
     return out
 
 
-_FORM = {"raw": RAW, "direct": CODEC, "full": FULL, "codec": CODEC, "skip": SKIP}
+_FORM = {"raw": RAW, "direct": CODEC, "full": FULL, "codec": CODEC, "fresh": CODEC, "skip": SKIP}
 
 
 def _wire_form(mode):
@@ -159,6 +159,82 @@ def test_clapping_fu_sends_fresh_batches_in_full_precision_and_resets_the_buffer
             assert m.parts[0].codec == FULL and torch.equal(m.values[0], m.act)
         else:
             assert m.parts[0].codec == CODEC
+
+
+FRESH_CODECS = ["q8", "bf16", "q4:fp16", "topk:0.5+q8"]
+
+
+@pytest.mark.parametrize("scenario", ["plain", "sizes"])
+@pytest.mark.parametrize("fresh_codec", FRESH_CODECS)
+@pytest.mark.parametrize("variant", ["ef21", "clapping-fc", "clapping-fu"])
+def test_buffers_stay_bit_identical_with_a_fresh_codec(variant, fresh_codec, scenario):
+    sender, receiver = _pair(variant, "q2:group16:sr", lazy_threshold=0.05, fresh_codec=fresh_codec)
+    history = _drive(sender, receiver, **SCENARIOS[scenario])  # checks both ends predict every message's form
+    assert sum(m.mode[0] == "fresh" for m in history) > 3 and sum(m.mode[0] == "codec" for m in history) > 3
+    for m in history:
+        _assert_same_state(m.sent, m.received, (m.ctx.step, m.slot))
+        assert torch.equal(m.values[0], m.received[_name(m)])
+
+
+def test_clapping_fu_sends_fresh_batches_with_the_fresh_codec_and_resets_the_buffers_to_what_it_decodes():
+    sender, receiver = _pair("clapping-fu", "q2", fresh_codec="q8")
+    q8, q2, buffer = get_codec("q8"), get_codec("q2"), {}
+    history = _drive(sender, receiver, steps=12)
+    for m in history:
+        seed = sender.seed(m.ctx, m.slot, 0)
+        if m.ctx.fresh:  # q8 of the activation itself, whatever the buffer held
+            payload = q8.encode(m.act, seed=seed)
+            buffer[m.slot] = q8.decode(payload, m.act.shape, m.act.dtype, seed=seed)
+        else:  # q2 of the difference to the buffer, as without a fresh codec
+            payload = q2.encode(m.act - buffer[m.slot], seed=seed)
+            buffer[m.slot] = buffer[m.slot] + q2.decode(payload, m.act.shape, m.act.dtype, seed=seed)
+        assert m.parts[0].codec == CODEC and torch.equal(m.parts[0].payload, payload), (m.ctx.step, m.slot)
+        assert torch.equal(m.values[0], buffer[m.slot]) and torch.equal(m.sent[_name(m)], buffer[m.slot])
+    assert sum(m.ctx.fresh for m in history[3:]) >= 3 and not all(m.ctx.fresh for m in history)
+
+
+def test_clapping_fc_compresses_the_difference_with_the_fresh_codec_on_fresh_steps_only():
+    sender, receiver = _pair("clapping-fc", "q2", fresh_codec="q8")
+    codecs, A = {True: get_codec("q8"), False: get_codec("q2")}, {}
+    history = _drive(sender, receiver, steps=12)
+    for m in history:
+        if m.slot not in A:  # warm start: the first message of a slot is still full precision
+            assert m.parts[0].codec == FULL and m.mode == ("full",)
+            A[m.slot] = m.act.clone()
+            continue
+        c, seed = codecs[m.ctx.fresh], sender.seed(m.ctx, m.slot, 0)
+        payload = c.encode(m.act - A[m.slot], seed=seed)
+        assert m.parts[0].codec == CODEC and torch.equal(m.parts[0].payload, payload)
+        assert m.mode == (("fresh",) if m.ctx.fresh else ("codec",))
+        A[m.slot] = A[m.slot] + c.decode(payload, m.act.shape, m.act.dtype, seed=seed)
+        assert torch.equal(m.values[0], A[m.slot])
+    assert sum(m.ctx.fresh for m in history[3:]) >= 3
+
+
+@pytest.mark.parametrize("variant", ["clapping-fc", "clapping-fu"])
+def test_each_predicted_form_has_one_message_size_with_a_fresh_codec(variant):
+    # the channel sizes a receive by the predicted form: fresh-codec messages must not share a form with others
+    sender, receiver = _pair(variant, "q2", fresh_codec="q8")
+    sizes = {}
+    for m in _drive(sender, receiver, steps=16, p=0.4):
+        sizes.setdefault((m.slot, m.mode), set()).add(len(pack(m.parts)))
+    assert any(mode == ("fresh",) for _, mode in sizes) and any(mode == ("codec",) for _, mode in sizes)
+    assert all(len(s) == 1 for s in sizes.values()), sizes
+    expected = message_nbytes([((4, 8), get_codec("q8").payload_nbytes((4, 8), torch.float32)), ((4, 1, 8), 32)])
+    assert {s for (_, mode), (s,) in sizes.items() if mode == ("fresh",)} == {expected}
+
+
+def test_a_fresh_codec_of_none_changes_nothing_and_direct_and_aqsgd_ignore_it():
+    inputs = _inputs(steps=10)
+    for variant in ("clapping-fu", "clapping-fc"):
+        plain = _run(*_pair(variant, "q4"), inputs)
+        explicit = _run(*_pair(variant, "q4", fresh_codec=None), inputs)
+        assert all(torch.equal(pack(a.parts), pack(b.parts)) and a.mode == b.mode for a, b in zip(plain, explicit))
+        assert "fresh" not in {m.mode[0] for m in plain}
+    for variant in ("direct", "aqsgd"):
+        plain = _run(*_pair(variant, "q4"), inputs)
+        with_fresh = _run(*_pair(variant, "q4", fresh_codec="q8"), inputs)
+        assert all(torch.equal(pack(a.parts), pack(b.parts)) for a, b in zip(plain, with_fresh))
 
 
 def test_clapping_fu_with_every_batch_fresh_is_lossless():
