@@ -146,3 +146,15 @@ def test_sigterm_to_the_launching_process_stops_every_stage_within_seconds(tmp_p
                 proc.kill()
         assert not any(_alive(p) for p in pids), f"trial {trial}: a rank is still running"
         assert stopped < 20, f"trial {trial}: the run took {stopped:.1f} s to stop after SIGTERM"
+
+
+def test_a_hung_stage_is_found_within_seconds_killed_and_named_by_rank0(tmp_path):
+    start = time.monotonic()  # the stage stops itself (SIGSTOP) at step 2; timeout is 10 minutes, liveness 3 s
+    proc = launch("failing_run.py", "child_hangs", cwd=tmp_path, expect_ok=False, timeout=300)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 120
+    rank0 = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]")]
+    assert any("StageFailure: stage 0 (rank 1" in line and "sent no heartbeat" in line for line in rank0), \
+        "\n".join(rank0[-15:])
+    assert not _alive(int((tmp_path / "pid_rank1").read_text()))  # the stopped process is gone
+

@@ -1,11 +1,13 @@
 """Runs that must fail cleanly (a clear message, every process ends).
 
 python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies | child_raises | sigterm
+                                      | child_hangs
 
 sigterm trains until stopped; every rank writes its pid to pid_rank{r}, rank 0 writes "started" after 3 steps.
 """
 
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -43,6 +45,13 @@ class RaisesAtStep(SequentialMLP):
     def training_step(self, batch, i):
         if i == 2 and self.trainer.global_rank == 1:
             raise ValueError("boom in the first stage")
+        return super().training_step(batch, i)
+
+
+class StopsAtStep(SequentialMLP):
+    def training_step(self, batch, i):
+        if i == 2 and self.trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung: neither dead nor answering
         return super().training_step(batch, i)
 
 
@@ -84,12 +93,15 @@ def main(case):
         model, timeout = DiesAtStep(rank_to_die=0), timedelta(seconds=15)
     elif case == "sigterm":
         model = SequentialMLP()
+    elif case == "child_hangs":
+        model = StopsAtStep()
     else:
         raise SystemExit(f"unknown case {case}")
-    strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=microbatches, timeout=timeout)
+    strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=microbatches, timeout=timeout,
+                                                   liveness=timedelta(seconds=3))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=10**6 if case == "sigterm" else 1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Announce()] if case == "sigterm" else None)
+                        enable_model_summary=False, callbacks=[Announce()] if case in ("sigterm", "child_hangs") else None)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch_size))
 
 
