@@ -1,0 +1,383 @@
+"""Autotune: the choice of codecs per boundary (pure), and the link probes it rests on (real gloo ranks).
+
+The probe tests run two gloo ranks on loopback, and, as root with TUN devices, two ranks in network namespaces
+joined by the project's user-space delay link (benchmarks/_delay_link.py) at 25 Mbit/s and 25 ms each way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_clapping.autotune import (
+    DEFAULT_CANDIDATES,
+    UNCOMPRESSED,
+    Choice,
+    LinkMeasure,
+    agree,
+    choose,
+    describe,
+    ladder,
+    log_values,
+    message_bytes,
+    probe_boundaries,
+    probe_link,
+    probe_plan,
+)
+from lightning_clapping.channel import message_nbytes
+from lightning_clapping.codecs import get_codec
+from lightning_clapping.feedback import MessageRule
+
+ROOT = Path(__file__).resolve().parent.parent
+MBIT = 1e6 / 8  # bytes per second of one Mbit/s
+
+ACT = [((4, 128, 128), torch.float32)]  # one micro-batch's activation (and its gradient)
+COMPUTE = 0.020  # forward + backward seconds per micro-batch
+
+
+def link(mbit: float, delay_ms: float = 0.0, reverse_mbit: float | None = None) -> LinkMeasure:
+    return LinkMeasure(delay_ms / 1e3, mbit * MBIT, None if reverse_mbit is None else reverse_mbit * MBIT)
+
+
+def shapes(*boundaries: int, spec=ACT) -> dict:
+    return {b: {"fwd": spec, "bwd": spec} for b in boundaries}
+
+
+def settings(choices: dict[int, Choice]) -> dict[int, tuple[str, str, str]]:
+    return {b: (c.variant, c.forward, c.backward) for b, c in choices.items()}
+
+
+# ------------------------------------------------------------------------------------------------- choose (pure)
+
+
+def test_message_bytes_are_the_codec_payloads_plus_the_header():
+    shape = (4, 128, 128)
+    for setting in ("bf16", "q8", "q4", "topk:0.1"):
+        payload = get_codec(setting).payload_nbytes(shape, torch.float32)
+        assert message_bytes(ACT, setting) == message_nbytes([(shape, payload)])
+    assert message_bytes(ACT, UNCOMPRESSED) == message_nbytes([(shape, 4 * 4 * 128 * 128)])
+    # a tensor that is not compressible (an int mask, or marked so) keeps its raw bytes under any codec
+    mixed = [((8, 16), torch.float32), ((8, 16), torch.int64), ((8, 16), torch.float32, False)]
+    q4 = get_codec("q4").payload_nbytes((8, 16), torch.float32)
+    assert message_bytes(mixed, "q4") == message_nbytes([((8, 16), q4), ((8, 16), 8 * 128), ((8, 16), 4 * 128)])
+
+
+def test_a_fast_link_stays_uncompressed():
+    choices = choose({0: link(10_000, 0.05)}, COMPUTE, shapes(0), variant="clapping-fc")
+    assert settings(choices) == {0: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED)}
+    assert choices[0].forward_hides and choices[0].backward_hides
+    assert choices[0].rule("fwd") == ("uncompressed", "identity")
+
+
+def test_a_25_mbit_link_is_compressed_and_the_prediction_is_bytes_over_bandwidth():
+    choices = choose({0: link(25, 25)}, COMPUTE, shapes(0), variant="clapping-fc")
+    c = choices[0]
+    # 262 kB take 84 ms at 25 Mbit/s: only q4 (33 kB, 10.7 ms) fits in 0.8 x 20 ms forward; backward stops at q8
+    assert (c.variant, c.forward, c.backward) == ("clapping-fc", "q4", "q8")
+    assert c.forward_hides and not c.backward_hides
+    assert c.forward_s == pytest.approx(message_bytes(ACT, "q4") / (25 * MBIT))
+    assert c.budget_s == pytest.approx(0.8 * COMPUTE)
+    assert c.rule("fwd") == ("clapping-fc", "q4") and c.rule("bwd") == ("clapping-fc", "q8")
+    assert c.forward_s < c.budget_s < min(s for d, setting, _, s in c.options if d == "fwd" and setting == "q8")
+
+
+def test_the_least_lossy_setting_that_hides_is_taken_not_the_smallest():
+    # 100 Mbit/s: uncompressed takes 21 ms, bf16 10.5 ms: bf16 hides, so neither q8 nor q4
+    choices = choose({0: link(100)}, COMPUTE, shapes(0), variant="direct")
+    assert settings(choices) == {0: ("direct", "bf16", "bf16")}
+
+
+def test_a_mixed_cluster_compresses_only_its_slow_boundary():
+    measures = {0: link(10_000, 0.05), 1: link(25, 25), 2: link(10_000, 0.05)}
+    choices = choose(measures, [COMPUTE] * 4, shapes(0, 1, 2), variant="clapping-fu", full_fraction=0.0)
+    assert settings(choices) == {
+        0: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED),
+        1: ("clapping-fu", "q4", "q8"),
+        2: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED),
+    }
+    table = describe(choices, measures)
+    assert len(table.splitlines()) == 2 + 3 + 1  # title, header, one line per boundary, the "!" note
+    assert "q4 10.67 ms (unc. 83.9)" in table and "25.00" in table
+    values = log_values(choices, measures)
+    assert values["autotune/b1_compressed"] == 1.0 and values["autotune/b0_compressed"] == 0.0
+    assert values["autotune/b1_delay_ms"] == pytest.approx(25.0)
+
+
+def test_each_direction_follows_its_own_bandwidth():
+    # forward fast, backward 25 Mbit/s (a per-sender rate): only the gradients are compressed
+    choices = choose({0: link(10_000, 1, reverse_mbit=25)}, COMPUTE, shapes(0), variant="direct")
+    assert settings(choices) == {0: ("direct", UNCOMPRESSED, "q8")}
+    assert choices[0].rule("fwd") == ("uncompressed", "identity") and choices[0].rule("bwd") == ("direct", "q8")
+    assert MessageRule(*choices[0].rule("fwd"), 0, "fwd").kind == "raw"
+
+
+def test_when_nothing_hides_the_fastest_setting_is_taken():
+    choices = choose({0: link(1)}, COMPUTE, shapes(0), variant="direct")
+    c = choices[0]
+    assert (c.forward, c.backward) == ("q4", "q8")
+    assert not c.forward_hides and not c.backward_hides
+    # and with a ladder whose most lossy rung is not the smallest, the smallest still wins
+    odd = {"fwd": (UNCOMPRESSED, "q4", "bf16"), "bwd": (UNCOMPRESSED, "q8", "bf16")}
+    c = choose({0: link(1)}, COMPUTE, shapes(0), odd, variant="direct")[0]
+    assert (c.forward, c.backward) == ("q4", "q8")
+
+
+def test_the_delay_does_not_change_the_choice():
+    for mbit in (10_000, 100, 25, 1):
+        near = choose({0: link(mbit, 0.0)}, COMPUTE, shapes(0), variant="direct")
+        far = choose({0: link(mbit, 200.0)}, COMPUTE, shapes(0), variant="direct")
+        assert settings(near) == settings(far), mbit
+
+
+def test_ties_go_to_the_less_lossy_setting_and_repeat_exactly():
+    # bf16 and fp16 send the same bytes: whichever comes first in the ladder wins, hidden or not
+    for ladder_order, expected in (((UNCOMPRESSED, "fp16", "bf16"), "fp16"), ((UNCOMPRESSED, "bf16", "fp16"), "bf16")):
+        cands = {"fwd": ladder_order, "bwd": ladder_order}
+        for mbit in (1, 100):  # nothing hides / the 16-bit casts hide
+            c = choose({0: link(mbit)}, COMPUTE, shapes(0), cands, variant="direct")[0]
+            assert (c.forward, c.backward) == (expected, expected), (ladder_order, mbit)
+    # a link exactly at the budget hides (<=)
+    exact = message_bytes(ACT, UNCOMPRESSED) / (0.8 * COMPUTE)
+    c = choose({0: LinkMeasure(0.0, exact)}, COMPUTE, shapes(0), variant="direct")[0]
+    assert c.forward == UNCOMPRESSED and c.forward_hides
+    # same inputs, same answer, and the answer survives its wire form
+    measures = {0: link(25, 25), 1: link(300, 3)}
+    first = choose(measures, [0.01, COMPUTE, 0.005], shapes(0, 1), variant="ef21")
+    again = choose(dict(reversed(measures.items())), [0.01, COMPUTE, 0.005], shapes(1, 0), variant="ef21")
+    assert first == again
+    assert {b: Choice.from_wire(c.to_wire()) for b, c in first.items()} == first
+    json.dumps([c.to_wire() for c in first.values()])  # plain values
+
+
+def test_the_slowest_stage_sets_the_budget():
+    # 100 Mbit/s: uncompressed (21 ms) hides behind a 30 ms cycle but not behind 20 ms
+    assert choose({0: link(100)}, [0.001, 0.030], shapes(0), variant="direct")[0].forward == UNCOMPRESSED
+    assert choose({0: link(100)}, {0: 0.001, 1: 0.020}, shapes(0), variant="direct")[0].forward == "bf16"
+    assert choose({0: link(100)}, 0.020, shapes(0), variant="direct", headroom=1.1)[0].forward == UNCOMPRESSED
+
+
+def test_full_precision_messages_of_a_variant_count_against_it():
+    # 100 Mbit/s, budget 16 ms: uncompressed 21.0 ms, bf16 10.5, q8 5.3, q4 2.7. clapping-fu sends a share p of its
+    # messages in full: p = 0.6 makes bf16 16.8 ms (q8 14.7), p = 0.7 makes q8 16.3 ms (q4 15.5)
+    fu = {"variant": "clapping-fu"}
+    assert choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.0, **fu)[0].forward == "bf16"
+    assert choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.6, **fu)[0].forward == "q8"
+    assert choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.7, **fu)[0].forward == "q4"
+    both = choose({0: link(100)}, COMPUTE, shapes(0), full_fraction={"fwd": 0.7, "bwd": 0.0}, **fu)[0]
+    assert (both.forward, both.backward) == ("q4", "bf16")
+
+
+def test_the_ladder_ends_at_the_users_codec():
+    assert ladder("fwd") == DEFAULT_CANDIDATES["fwd"] == (UNCOMPRESSED, "bf16", "q8", "q4")
+    assert ladder("bwd") == (UNCOMPRESSED, "bf16", "q8")
+    assert ladder("fwd", "q4") == (UNCOMPRESSED, "bf16", "q8", "q4")
+    assert ladder("fwd", "q8") == (UNCOMPRESSED, "bf16", "q8")
+    assert ladder("bwd", "q4") == (UNCOMPRESSED, "bf16", "q8", "q4")
+    assert ladder("fwd", "topk:0.1") == (UNCOMPRESSED, "bf16", "q8", "q4", "topk:0.1")
+    assert ladder("fwd", get_codec("q2")) == (UNCOMPRESSED, "bf16", "q8", "q4", "q2")
+    assert ladder("fwd", "identity") == (UNCOMPRESSED,)
+    # with the user's q8 forward, a 25 Mbit/s link gets q8, not q4
+    c = choose({0: link(25)}, COMPUTE, shapes(0), {"fwd": ladder("fwd", "q8"), "bwd": ladder("bwd", "q8")},
+               variant="direct")[0]
+    assert (c.forward, c.backward) == ("q8", "q8")
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="compressed variant"):
+        choose({0: link(25)}, COMPUTE, shapes(0), variant="uncompressed")
+    with pytest.raises(ValueError, match="unknown codec"):
+        choose({0: link(25)}, COMPUTE, shapes(0), {"fwd": (UNCOMPRESSED, "q9x"), "bwd": (UNCOMPRESSED,)})
+    with pytest.raises(ValueError, match="no link measurement"):
+        choose({}, COMPUTE, shapes(0))
+    with pytest.raises(ValueError, match="compute"):
+        choose({0: link(25)}, [math.nan], shapes(0))
+    with pytest.raises(ValueError, match="full_fraction"):
+        choose({0: link(25)}, COMPUTE, shapes(0), full_fraction=1.5)
+
+
+# ------------------------------------------------------------------------------------------------- probe plan
+
+
+def test_the_probe_plan_pairs_every_boundary_once_per_phase():
+    for n in range(1, 9):
+        plans = {s: probe_plan(s, n) for s in range(n)}
+        for b in range(n - 1):  # both ends list the boundary, the lower stage initiates
+            assert [p for p in plans[b] if p[0] == b] == [(b, b + 1, True)]
+            assert [p for p in plans[b + 1] if p[0] == b] == [(b, b, False)]
+        for s, plan in plans.items():
+            # even boundaries first, at most one per phase: no stage waits for a neighbour busy with another probe
+            assert [b % 2 for b, _, _ in plan] == sorted({b % 2 for b, _, _ in plan}), (n, s, plan)
+            assert len(plan) == (n > 1) * (1 + (0 < s < n - 1))
+
+
+# ------------------------------------------------------------------------------------------------- real probes
+
+
+def _worker(rank: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        m = probe_link(1 - rank, rank == 0, nbytes=1 << 20, pings=5, timeout=timedelta(seconds=30))
+        out.put(("link", rank, m.to_wire()))
+        m = probe_link(1 - rank, rank == 1, nbytes=1, pings=2, min_repeats=1, max_repeats=1, both_directions=False,
+                       min_transfer_s=10.0)  # every transfer is "too short": the bulk grows to the largest
+        out.put(("one way", rank, m.to_wire()))
+        stage = 1 - rank  # as the strategy places stages: the last one on rank 0
+        measures = probe_boundaries(stage, 2, lambda s: 1 - s, {0: 300_000}, timeout=timedelta(seconds=30))
+        out.put(("boundaries", rank, {b: x.to_wire() for b, x in measures.items()}))
+        mine = {0: {"fwd": ACT}} if stage == 0 else {0: {"bwd": ACT}}
+        choices, every = agree(stage, 2, measures, COMPUTE * (2 - stage), mine, variant="clapping-fc")
+        out.put(("agree", rank, ([c.to_wire() for c in choices.values()], {b: x.to_wire() for b, x in every.items()})))
+        try:  # rank 0 refuses the arguments: every rank must hear it, none may wait for a broadcast that never comes
+            agree(stage, 2, measures, COMPUTE, mine, variant="uncompressed")
+            out.put(("refused", rank, None))
+        except ValueError as err:
+            out.put(("refused", rank, str(err)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def loopback():
+    """What two gloo ranks on loopback reported: {(kind, rank): value}, plus their exit codes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + 120
+    while len(results) < 10 and time.monotonic() < deadline:
+        try:
+            kind, rank, value = out.get(timeout=1)
+            results[(kind, rank)] = value
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):  # a rank failed: do not wait for what will never come
+                break
+    for p in procs:
+        p.join(timeout=30)
+        if p.exitcode is None:
+            p.kill()
+    results["exitcodes"] = [p.exitcode for p in procs]
+    return results
+
+
+def test_a_loopback_link_has_a_small_delay_a_large_bandwidth_and_both_ends_agree(loopback):
+    assert loopback["exitcodes"] == [0, 0]
+    a, b = loopback[("link", 0)], loopback[("link", 1)]
+    assert a == b  # bit for bit: the peer got the initiator's numbers
+    m = LinkMeasure.from_wire(a)
+    assert 0 < m.one_way_delay_s < 0.005, m
+    assert m.rtt_s == pytest.approx(2 * m.one_way_delay_s)
+    assert m.bandwidth("fwd") > 100e6 and m.bandwidth("bwd") > 100e6, m
+    # 1 MiB crosses loopback in well under a millisecond: the probe grows it (4-fold) to time it, unless busy CPUs
+    # made even 1 MiB take longer than a millisecond
+    assert m.probe_bytes in (1 << 20, 4 << 20)
+
+
+def test_a_probe_of_one_direction_started_by_the_other_rank(loopback):
+    a, b = loopback[("one way", 0)], loopback[("one way", 1)]
+    assert [float.hex(x) for x in a] == [float.hex(x) for x in b]  # exact, NaN (no reverse rate) included
+    m = LinkMeasure.from_wire(a)
+    assert m.reverse_bandwidth_bytes_per_s is None and m.bandwidth("bwd") == m.bandwidth("fwd") > 100e6
+    assert m.probe_bytes == 4 << 20  # 1 byte asked, raised to 256 KiB, grown to 1 MiB and 4 MiB (the largest)
+
+
+def test_probing_the_boundaries_gives_both_stages_the_same_measure_of_their_boundary(loopback):
+    a, b = loopback[("boundaries", 0)], loopback[("boundaries", 1)]
+    assert a == b and set(a) == {0}
+    m = LinkMeasure.from_wire(a[0])
+    assert m.probe_bytes >= 300_000 and m.one_way_delay_s < 0.005 and m.bandwidth("fwd") > 100e6
+
+
+def test_every_rank_gets_the_same_choice_and_loopback_stays_uncompressed(loopback):
+    (choices0, every0), (choices1, every1) = loopback[("agree", 0)], loopback[("agree", 1)]
+    assert choices0 == choices1 and every0 == every1
+    c = Choice.from_wire(choices0[0])
+    assert (c.variant, c.forward, c.backward) == (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED)
+    # the slower stage's compute: stage 0 (rank 1) reported 40 ms, the deciding rank 0 (stage 1) 20 ms
+    assert c.compute_s == pytest.approx(2 * COMPUTE)
+    assert c.forward_bytes == message_bytes(ACT, UNCOMPRESSED)
+
+
+def test_arguments_refused_on_the_deciding_rank_raise_on_every_rank(loopback):
+    for rank in (0, 1):
+        message = loopback[("refused", rank)]
+        assert "autotune could not choose on rank 0: ValueError: variant is the compressed" in message
+
+
+# ------------------------------------------------------------------------------------ real probes, delayed link
+
+RATE_MBIT, DELAY_MS = 25.0, 25.0
+
+
+def _delay_lab_or_skip():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _netns import Lab, delay_unavailable_reason
+
+    reason = delay_unavailable_reason()
+    if reason:
+        pytest.skip(f"delayed links need root, namespaces and TUN devices: {reason}")
+    return Lab
+
+
+def _run_ranks(lab, endpoints, tmp_path: Path, *extra: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MASTER_ADDR=endpoints[0].addr,
+               MASTER_PORT=str(29_000 + os.getpid() % 1000))
+    procs, outs = [], []
+    try:
+        for rank, ep in enumerate(endpoints):  # rank 0 first: it hosts the rendezvous
+            outs.append(tmp_path / f"rank{rank}.json")
+            procs.append(subprocess.Popen(
+                lab.command(ep, [sys.executable, str(ROOT / "tests/scripts/autotune_probe.py"), str(rank),
+                                 str(len(endpoints)), str(outs[-1]), *extra]),
+                env=dict(env, GLOO_SOCKET_IFNAME=ep.ifname), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True))
+        logs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert [p.returncode for p in procs] == [0] * len(procs), logs
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_a_delayed_25_mbit_link_is_measured_and_compressed(tmp_path):
+    Lab = _delay_lab_or_skip()
+    tag = f"cat{os.getpid() % 100000}"
+    with Lab(tag=tag) as lab:
+        eps = lab.build_delay_star(2)
+        lab.set_delay_links(RATE_MBIT, DELAY_MS)
+        t0 = time.monotonic()
+        ranks = _run_ranks(lab, eps, tmp_path)  # probes with the 262 kB message of a 4 x 128 x 128 activation
+        seconds = time.monotonic() - t0
+    assert ranks[0]["measures"] == ranks[1]["measures"]
+    m = LinkMeasure.from_wire(ranks[0]["measures"]["0"])
+    assert m.probe_bytes == message_bytes(ACT, UNCOMPRESSED)  # 87 ms to serialise, more than the round trip: kept
+    print(f"\n25 Mbit/s, 25 ms: measured one-way {m.one_way_delay_s * 1e3:.2f} ms, "
+          f"{m.bandwidth('fwd') * 8 / 1e6:.1f} / {m.bandwidth('bwd') * 8 / 1e6:.1f} Mbit/s, probe {m.probe_s:.2f} s "
+          f"({seconds:.1f} s with start-up)\n{ranks[0]['table']}")
+    assert abs(m.one_way_delay_s * 1e3 - DELAY_MS) <= 5.0, m
+    for d in ("fwd", "bwd"):
+        assert 0.7 * RATE_MBIT * MBIT <= m.bandwidth(d) <= 1.3 * RATE_MBIT * MBIT, (d, m)
+    assert ranks[0]["choices"] == ranks[1]["choices"]
+    c = Choice.from_wire(ranks[0]["choices"]["0"])
+    assert c.variant == "direct" and c.forward != UNCOMPRESSED and c.backward != UNCOMPRESSED
