@@ -215,7 +215,7 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
         self.steps += 1
-        self.cum_bytes = trainer.strategy.byte_totals["bytes"]  # steps so far (the current one arrives next step)
+        self.cum_bytes = trainer.strategy.byte_totals["bytes"]  # every step so far, this one included
         if "clapping/feedback_bytes" in m:  # describes the previous step (none at the first)
             self.feedback.append(float(m["clapping/feedback_bytes"]))
         if "clapping/distinct_samples" in m:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class StepStats:
     skipped: int = 0
     feedback_bytes: int = 0  # error-feedback state held on this rank (both ends of its boundaries)
     control_bytes: int = 0  # the step results forwarded with the last gradient message (part of bwd_bytes)
+    compute_s: float = 0.0  # forward and backward time on this rank, waits for messages left out
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, f)) for f in self.__dataclass_fields__]
@@ -76,8 +78,12 @@ class PipelineExecutor:
         step_results: bool = False,
     ) -> None:
         self.runner = runner
+        self.make_rule = make_rule
         self.step_results = step_results
+        #: (shape, dtype, compressible) of each tensor of the last message sent, by rule name ("fwd_out", "bwd_out")
+        self.sent_specs: dict[str, list[tuple]] = {}
         self.results: bytes | None = None
+        self._compute_s = 0.0
         self.stage = runner.stage
         self.num_stages = runner.num_stages
         self.schedule_fn = schedules.get_schedule(schedule)
@@ -91,18 +97,24 @@ class PipelineExecutor:
                 return None
             return PeerChannel(rank_of_stage(peer_stage), purpose, device, group, prepost, timeout)
 
-        def rule(boundary: int, direction: str, training: bool) -> MessageRule | None:
-            return make_rule(boundary, direction, training) if 0 <= boundary < n - 1 else None
-
         self.fwd_out, self.fwd_in = chan(s + 1, PURPOSE_TRAIN_FWD), chan(s - 1, PURPOSE_TRAIN_FWD)
         self.bwd_out, self.bwd_in = chan(s - 1, PURPOSE_TRAIN_BWD), chan(s + 1, PURPOSE_TRAIN_BWD)
         self.eval_out, self.eval_in = chan(s + 1, PURPOSE_EVAL_FWD), chan(s - 1, PURPOSE_EVAL_FWD)
-        # rules on this rank: the sending end of boundary s (fwd) and s-1 (bwd), the receiving end of the others
-        self.rules: dict[str, MessageRule | None] = {
-            "fwd_out": rule(s, "fwd", True), "fwd_in": rule(s - 1, "fwd", True),
-            "bwd_out": rule(s - 1, "bwd", True), "bwd_in": rule(s, "bwd", True),
-            "eval_out": rule(s, "fwd", False), "eval_in": rule(s - 1, "fwd", False),
-        }
+        self.rules: dict[str, MessageRule | None] = {}
+        self.rebuild_rules()
+
+    #: rules on this rank: the sending end of boundary s (fwd) and s-1 (bwd), the receiving end of the others
+    _RULES = {"fwd_out": (0, "fwd", True), "fwd_in": (-1, "fwd", True), "bwd_out": (-1, "bwd", True),
+              "bwd_in": (0, "bwd", True), "eval_out": (0, "fwd", False), "eval_in": (-1, "fwd", False)}
+
+    def rebuild_rules(self, training_only: bool = False) -> None:
+        """(Re)build this rank's message rules with ``make_rule``; new rules start with empty feedback buffers, so
+        both ends of a boundary must rebuild at the same point between steps."""
+        for name, (offset, direction, training) in self._RULES.items():
+            if training or not training_only:
+                boundary = self.stage + offset
+                self.rules[name] = (self.make_rule(boundary, direction, training)
+                                    if 0 <= boundary < self.num_stages - 1 else None)
 
     @property
     def is_first(self) -> bool:
@@ -138,6 +150,7 @@ class PipelineExecutor:
             raise ValueError("step_results=True: the last stage's train_step needs the results callback")
         final = [a.microbatch for a in plan if a.kind == "B"][-1]  # the same on every stage: the chain's last link
         self.results = None
+        self._compute_s = 0.0
         stats = StepStats()
         if self.prepost:
             for j in range(n):
@@ -158,8 +171,7 @@ class PipelineExecutor:
                     outputs[j] = out
                     saved[j] = ([loss * loss_weights[j]], received)
                 else:
-                    check_finite([t.detach() for t in out], f"stage {self.stage} output for micro-batch {j}",
-                                 self.first_step)
+                    self._check_output(out, "fwd_out", j)
                     self._send(self.fwd_out, "fwd_out", j, out, ctx, stats)
                     saved[j] = ([t for t in out if t.requires_grad], received)
             else:
@@ -173,7 +185,9 @@ class PipelineExecutor:
                             f"{len(roots)} tensors that require grad"
                         )
                 if roots:
+                    start = time.perf_counter()
                     torch.autograd.backward(roots, grads)
+                    self._compute_s += time.perf_counter() - start
                 if not self.is_first:
                     leaves = [t for t in received if t.requires_grad]
                     gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
@@ -185,6 +199,7 @@ class PipelineExecutor:
                     self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats, attached)
         self._flush()
         self.first_step = False
+        stats.compute_s = self._compute_s
         self._collect(stats)
         return [outputs[j] for j in sorted(outputs)], stats
 
@@ -204,8 +219,7 @@ class PipelineExecutor:
             if self.is_last:
                 outputs.append(out)
             else:
-                check_finite([t.detach() for t in out], f"stage {self.stage} output for micro-batch {j}",
-                             self.first_step)
+                self._check_output(out, "eval_out", j)
                 self._send(self.eval_out, "eval_out", j, out, ctx, stats)
         self._flush()
         return outputs
@@ -215,7 +229,9 @@ class PipelineExecutor:
                  received: list[Tensor] | None, seed: int | None):
         def provide() -> list[Tensor]:
             assert chan is not None
+            t0 = time.perf_counter()
             tensors = self._recv(chan, rule_name, j, ctx)
+            waited[0] += time.perf_counter() - t0
             if received is None:
                 return [t for t, _ in tensors]
             out = []
@@ -227,15 +243,26 @@ class PipelineExecutor:
                 out.append(t)
             return out
 
+        waited = [0.0]
         rng = _frozen_rng(seed, self.device) if seed is not None else nullcontext()
-        with rng, self.runner.microbatch(provide if chan is not None else None):
-            try:
-                out = step_fn(mb, j)
-            except StageExit:
-                return self.runner.captured_tensors()
-        if not self.is_last:
-            self.runner.captured_tensors()  # raises: the exit module was never called
-        return out
+        start = time.perf_counter()
+        try:
+            with rng, self.runner.microbatch(provide if chan is not None else None):
+                try:
+                    out = step_fn(mb, j)
+                except StageExit:
+                    return self.runner.captured_tensors()
+            if not self.is_last:
+                self.runner.captured_tensors()  # raises: the exit module was never called
+            return out
+        finally:
+            self._compute_s += time.perf_counter() - start - waited[0]
+
+    def _check_output(self, out: list[Tensor], rule_name: str, j: int) -> None:
+        """Refuse NaN in what this stage sends. After the first step only for uncompressed messages: a lossy codec
+        scans its input itself (and refuses NaN with the boundary's name), so its messages are scanned once."""
+        if self.first_step or self.rules[rule_name].kind == "raw":
+            check_finite([t.detach() for t in out], f"stage {self.stage} output for micro-batch {j}", self.first_step)
 
     def _mode(self, rule_name: str, j: int, ctx: StepContext) -> tuple:
         """The key under which both ends predict a message's size: the rule's wire form and the slot's size."""
@@ -250,6 +277,8 @@ class PipelineExecutor:
         rule = self.rules[rule_name]
         mode = self._mode(rule_name, j, ctx)
         parts = rule.encode(j, tensors, ctx)
+        self.sent_specs[rule_name] = [(tuple(t.shape), t.dtype, rule.compressible(t.detach(), p.flags))
+                                      for t, p in zip(tensors, parts)]
         if attached is not None:
             parts.append(_results_part(attached))
             stats.control_bytes += parts[-1].payload.numel()

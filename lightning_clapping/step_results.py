@@ -7,8 +7,8 @@
 * **Byte statistics.** Each stage knows only what it sent. The numbers are gathered with an asynchronous
   ``all_gather`` started at the end of a step and read at the end of the next one, so nothing waits for it: the
   ``clapping/...`` values logged at step ``t`` describe step ``t - 1`` (the first step logs none), all of them, so
-  a logged row describes one step. :attr:`ByteStats.totals`
-  holds the exact sums over every finished step, the last one included once :meth:`ByteStats.finish` ran.
+  a logged row describes one step. :meth:`ByteStats.finish` completes the gather in flight (it only waits: every
+  rank started it), after which :attr:`ByteStats.totals` holds the exact sums over every step so far.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class ByteStats:
         self.rank_of_stage = rank_of_stage
         self.lazy_messages = lazy_messages
         self._pending: tuple[Any, list[torch.Tensor], dict[str, float]] | None = None
+        self._ready: dict[str, float] = {}  # values of the last finished gather, not logged yet
         self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "skipped_messages": 0.0,
                        "fresh_steps": 0.0, "steps": 0}
 
@@ -49,7 +50,8 @@ class ByteStats:
 
         ``extra`` (numbers every rank knows, such as the lazy sampler's) is returned with its step's numbers, so a
         logged row always describes one step."""
-        previous = self.finish()
+        self.finish()
+        previous, self._ready = self._ready, {}
         mine = torch.tensor(stats.as_list(), dtype=torch.float64)
         if self.num_stages > 1:
             gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
@@ -58,10 +60,11 @@ class ByteStats:
             self._pending = (None, [mine], dict(extra))
         return previous
 
-    def finish(self) -> dict[str, float]:
-        """Wait for the gather in flight (if any), add it to :attr:`totals` and return its values."""
+    def finish(self) -> None:
+        """Wait for the gather in flight (if any; every rank has started it, so this only waits) and add it to
+        :attr:`totals`; its values are logged at the next step."""
         if self._pending is None:
-            return {}
+            return
         work, gathered, extra = self._pending
         self._pending = None
         if work is not None:
@@ -74,7 +77,7 @@ class ByteStats:
         self.totals["skipped_messages"] += sum(st.skipped for st in per_stage)
         self.totals["fresh_steps"] += extra.get("clapping/fresh", 1.0)
         self.totals["steps"] += 1
-        return {**values, **extra}
+        self._ready = {**values, **extra}
 
     def _values(self, per_stage: list[StepStats]) -> dict[str, float]:
         values: dict[str, float] = {}

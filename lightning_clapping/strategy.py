@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_clapping import _compat
 from lightning_clapping import checkpoint as ckpt
-from lightning_clapping import failures
+from lightning_clapping import autotune, failures, liveness
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
@@ -75,6 +75,10 @@ class ClappingStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA by default.
         timeout: how long a stage waits for a message or collective before failing (so a dead stage does not leave
             the others hanging forever).
+        liveness: how long a stage may send no heartbeat before the others declare it hung (stopped, swapping,
+            deadlocked holding the GIL), kill it (same host) or drop their connections to it, and end the run with
+            its name in rank 0's error (see :mod:`lightning_clapping.liveness`); ``None`` turns the watchdog off.
+            It does not cover a main thread stuck while its process runs: ``timeout`` bounds that.
         prepost_receives: post each step's receives before they are needed (default: on for gloo, off for NCCL,
             whose point-to-point calls ignore message tags).
         variant: how messages are compressed: ``"uncompressed"`` (default), ``"direct"``, ``"ef21"``, ``"aqsgd"``,
@@ -82,7 +86,19 @@ class ClappingStrategy(ParallelStrategy):
             are meant to run with :class:`~lightning_clapping.LazySamplingDataModule`.
         forward_codec, backward_codec: a :class:`~lightning_clapping.codecs.Codec` or a registry string
             (``"q4"``, ``"q8"``, ``"topk:0.1"``, ``"bf16"``, ...) for activations and gradients; ignored when
-            ``variant="uncompressed"``.
+            ``variant="uncompressed"``. Or a dict from boundary index (boundary ``m`` lies between stages ``m`` and
+            ``m + 1``) to codec, to compress some links only: boundaries missing from it, or mapped to ``None``, are
+            sent uncompressed (e.g. ``{1: "q4"}`` compresses only the link between stages 1 and 2).
+        fresh_codec: codec of the messages of fresh steps (a new batch) for ``"clapping-fc"``, ``"clapping-fu"`` and
+            ``"ef21"``: Clapping-FU sends a fresh step with it instead of in full precision, Clapping-FC and EF21
+            compress a fresh step's difference with it instead of the direction's codec. ``None`` (default): as
+            without it.
+        autotune: after the second training step, measure each boundary's link (one-way delay, bandwidth of each
+            direction, with timed probe messages between neighbours) and the stages' compute time, and give every
+            boundary and direction the least lossy setting whose transfer hides behind compute, from uncompressed up
+            to the codec given above (see :mod:`lightning_clapping.autotune`). Rank 0 decides, every rank follows;
+            the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
+            Needs a compressed ``variant``.
         compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
         warm_start: send the first message of each slot (and after a shape change) in full precision.
         lazy_messages: skip a reuse-step message while the last difference sent on its slot was smaller than this
@@ -115,6 +131,8 @@ class ClappingStrategy(ParallelStrategy):
         variant: str = "uncompressed",
         forward_codec: Any = "q4",
         backward_codec: Any = "q8",
+        fresh_codec: Any = None,
+        autotune: bool = False,
         compress_eval: bool = False,
         warm_start: bool = True,
         lazy_messages: float | None = None,
@@ -128,6 +146,7 @@ class ClappingStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        liveness: timedelta | None = timedelta(seconds=30),
         prepost_receives: bool | None = None,
         log_bytes: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
@@ -161,8 +180,17 @@ class ClappingStrategy(ParallelStrategy):
         if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
         self.variant = check_variant(variant)
-        self.forward_codec = get_codec(forward_codec)
-        self.backward_codec = get_codec(backward_codec)
+        self.forward_codec = _codec_or_map(forward_codec, "forward_codec")
+        self.backward_codec = _codec_or_map(backward_codec, "backward_codec")
+        self.fresh_codec = None if fresh_codec is None else get_codec(fresh_codec)
+        if fresh_codec is not None and self.variant not in ("ef21", "clapping-fc", "clapping-fu"):
+            raise ValueError(f"fresh_codec applies to the error-feedback variants (ef21, clapping-fc, clapping-fu), "
+                             f"not to variant={self.variant!r}")
+        if autotune and self.variant == "uncompressed":
+            raise ValueError("autotune=True chooses codecs for a compressed variant, up to forward_codec and "
+                             "backward_codec; pass variant='clapping-fc' (or another compressed variant)")
+        self.autotune = bool(autotune)
+        self._autotuned: dict[int, Any] | None = None  # boundary -> autotune.Choice, once decided
         if lazy_messages is not None and not (isinstance(lazy_messages, (int, float)) and not isinstance(
                 lazy_messages, bool) and 0 < lazy_messages < math.inf):
             raise ValueError(f"lazy_messages must be a positive finite threshold (e.g. 0.03) or None, got "
@@ -172,6 +200,11 @@ class ClappingStrategy(ParallelStrategy):
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, e.g. timedelta(minutes=10), got "
                              f"{timeout!r}")
+        if liveness is not None and (not isinstance(liveness, timedelta) or liveness.total_seconds() < 0.4):
+            raise ValueError(f"liveness must be a datetime.timedelta of at least 0.4 s (e.g. timedelta(seconds=30)) or "
+                             f"None to turn the watchdog off, got {liveness!r}")
+        self._liveness = liveness
+        self._watchdog: Any = None
         self.compress_eval = compress_eval
         self.warm_start = warm_start
         self.lazy_messages = lazy_messages
@@ -200,6 +233,7 @@ class ClappingStrategy(ParallelStrategy):
         self._byte_stats: ByteStats | None = None
         self._local_logs: list[Any] | None = None
         self._owners_settled = False
+        self._train_steps = 0
 
     # ------------------------------------------------------------------ topology
     @property
@@ -241,9 +275,12 @@ class ClappingStrategy(ParallelStrategy):
     def byte_totals(self) -> dict[str, float]:
         """Sums over the training steps so far, on every rank: ``bytes`` sent between stages (headers and step results
         included), ``raw_bytes`` (the same messages uncompressed, fp32), ``control_bytes`` (the step results),
-        ``skipped_messages``, ``fresh_steps`` and ``steps``. During training they lag one step (the logged numbers
-        do too); after ``fit`` they are complete."""
-        return dict(self._byte_stats.totals) if self._byte_stats is not None else {}
+        ``skipped_messages``, ``fresh_steps`` and ``steps``. Exact up to the last finished step: reading them waits
+        for that step's numbers (which the logged values only show a step later)."""
+        if self._byte_stats is None:
+            return {}
+        self._byte_stats.finish()
+        return dict(self._byte_stats.totals)
 
     @property
     def stage(self) -> int:
@@ -252,6 +289,9 @@ class ClappingStrategy(ParallelStrategy):
 
     def rank_of_stage(self, stage: int) -> int:
         return self.num_stages - 1 - stage
+
+    def stage_of_rank(self, rank: int) -> int:
+        return self.num_stages - 1 - rank
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -288,6 +328,14 @@ class ClappingStrategy(ParallelStrategy):
             self._process_group_backend = _compat.default_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         _compat.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if self._liveness is not None and self.num_stages > 1:
+            bound = self._liveness.total_seconds()
+            # under torchrun the store lives in the elastic agent, not in rank 0's process
+            elastic = type(self.cluster_environment).__name__ == "TorchElasticEnvironment"
+            self._watchdog = liveness.Watchdog(
+                _compat.default_store(), self.global_rank, self.num_stages, stage_of_rank=self.stage_of_rank,
+                interval=min(1.0, bound / 8), bound=bound, store_rank=None if elastic else 0,
+            ).start()
 
     # ------------------------------------------------------------------ building big models
     @contextmanager
@@ -334,6 +382,7 @@ class ClappingStrategy(ParallelStrategy):
                            f"{self.microbatches} micro-batches\n{self.partition.table()}")
         self._warn_batchnorm(module)
         self._warn_empty_stages()
+        self._check_codec_boundaries()
         self.runner = StageRunner(module, self.partition, self.stage)
         self.runner.release_foreign_state()
         self._materialize_own_stage(module)
@@ -440,13 +489,31 @@ class ClappingStrategy(ParallelStrategy):
     def make_rule(self, boundary: int, direction: str, training: bool) -> MessageRule:
         """The encoder/decoder of one boundary and direction (both ends build the same one)."""
         codec = self.forward_codec if direction == "fwd" else self.backward_codec
-        if not training:
+        if isinstance(codec, dict):
+            codec = codec.get(boundary)
+        if training and self._autotuned is not None and boundary in self._autotuned:
+            variant, codec = self._autotuned[boundary].rule(direction)
+            if variant == "uncompressed":
+                codec = "identity"
+        elif codec is None:  # a boundary the user left uncompressed
+            variant, codec = "uncompressed", "identity"
+        elif not training:
             variant = "direct" if self.compress_eval else "uncompressed"
         else:
             variant = self.variant
         return MessageRule(variant, codec, boundary, direction, warm_start=self.warm_start,
                            store_dtype=self.sample_store_dtype, lazy_threshold=self.lazy_messages,
-                           max_skips=self.max_skips)
+                           max_skips=self.max_skips, fresh_codec=self.fresh_codec)
+
+    def _check_codec_boundaries(self) -> None:
+        for name in ("forward_codec", "backward_codec"):
+            codecs = getattr(self, name)
+            wrong = sorted(b for b in codecs if b >= self.num_stages - 1) if isinstance(codecs, dict) else []
+            if wrong:
+                raise ValueError(
+                    f"{name} names boundaries {wrong}, but {self.num_stages} stages have boundaries 0 .. "
+                    f"{self.num_stages - 2} (boundary m lies between stages m and m + 1)"
+                )
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         """Set an attribute for the duration of the run; teardown puts the previous value back."""
@@ -509,6 +576,9 @@ class ClappingStrategy(ParallelStrategy):
         loss_t = self._apply_results(blob, fingerprint)
         if self.log_bytes:
             self._log_step_stats(stats, total, info)
+        self._train_steps += 1
+        if self.autotune and self._autotuned is None and self._train_steps == 2 and self.num_stages > 1:
+            self._run_autotune(stats.compute_s / len(microbatches))
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
         return loss_t
@@ -536,6 +606,32 @@ class ClappingStrategy(ParallelStrategy):
         self._owners_settled = True
         owners = {k: self.partition.state_stage[k] for k in self.partition.shared_params}
         rank_zero_info(f"ClappingStrategy: parameters on modules that span stages, by owning stage: {owners}")
+
+    def _run_autotune(self, compute_s: float) -> None:
+        """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
+        assert self.executor is not None
+        s, n, sent = self.stage, self.num_stages, self.executor.sent_specs
+        shapes = {}
+        if "fwd_out" in sent:
+            shapes[s] = {"fwd": sent["fwd_out"]}
+        if "bwd_out" in sent:
+            shapes.setdefault(s - 1, {})["bwd"] = sent["bwd_out"]
+        # the lower stage of a boundary sets its probe size: the boundary's uncompressed message of one micro-batch
+        probe_bytes = {s - 1: 0, s: autotune.message_bytes(sent["fwd_out"], autotune.UNCOMPRESSED)
+                       if "fwd_out" in sent else 0}
+        measures = autotune.probe_boundaries(s, n, self.rank_of_stage, probe_bytes, timeout=self._timeout)
+        candidates = {}
+        for d, codec in (("fwd", self.forward_codec), ("bwd", self.backward_codec)):
+            top = None if isinstance(codec, dict) else codec.name  # a per-boundary map: the default ladder
+            candidates[d] = autotune.ladder(d, top)
+        choices, every = autotune.agree(s, n, measures, compute_s, shapes, variant=self.variant,
+                                        candidates=candidates)
+        self._autotuned = choices
+        self.executor.rebuild_rules(training_only=True)
+        rank_zero_info("ClappingStrategy autotune (kept for the rest of the run):\n"
+                       + autotune.describe(choices, every))
+        for name, value in autotune.log_values(choices, every).items():
+            pl.LightningModule.log(self.lightning_module, name, value, on_step=True, on_epoch=False)
 
     def _step_context(self, trainer: pl.Trainer, batch_idx: int, sizes: list[int]) -> tuple[StepContext, int, Any]:
         """What every stage knows about this step: its number, whether the batch is fresh, its sample ids."""
@@ -705,7 +801,9 @@ class ClappingStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Adds every stage's error-feedback buffers, so a compressed run resumes exactly."""
         checkpoint["clapping"] = {"cut_points": list(self.partition.cut_points) if self.partition else [],
-                                  "num_stages": self.num_stages}
+                                  "num_stages": self.num_stages,
+                                  "autotune": [c.to_wire() for c in self._autotuned.values()] if self._autotuned
+                                  else None}
         if self.state_dict_type == "full":
             parts = ckpt.gather_to_zero(self._feedback_state(), self.root_device)
             if parts is not None:
@@ -808,6 +906,9 @@ class ClappingStrategy(ParallelStrategy):
                     "they are not used and restart empty (the first messages go in full precision)."
                 )
             return
+        if self.autotune and saved.get("autotune"):  # the saved run's choice, so that its buffers fit the rules
+            self._autotuned = {w[0]: autotune.Choice.from_wire(w) for w in saved["autotune"]}
+            self.executor.rebuild_rules(training_only=True)
         for name, state in checkpoint.get("clapping_feedback", {}).get(f"stage{self.stage}", {}).items():
             rule = self.executor.rules.get(name)
             if rule is not None:
@@ -838,7 +939,7 @@ class ClappingStrategy(ParallelStrategy):
 
     def on_train_end(self) -> None:
         if self._byte_stats is not None:
-            self._byte_stats.finish()  # the last step's numbers, into the totals
+            self._byte_stats.finish()  # the last step's numbers, into the totals (also after teardown)
         self._gather_full_weights()
 
     def on_validation_end(self) -> None:
@@ -852,6 +953,9 @@ class ClappingStrategy(ParallelStrategy):
         self._gather_full_weights()
 
     def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()  # marks this rank done: ranks that finish later do not declare it hung
+            self._watchdog = None
         module = self.lightning_module
         if self.runner is not None:
             self.runner.uninstall()
@@ -885,6 +989,19 @@ class ClappingStrategy(ParallelStrategy):
 
 
 _EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+def _codec_or_map(value: Any, name: str) -> Any:
+    """A codec, or {boundary index: codec or None} (None: that boundary is sent uncompressed)."""
+    if not isinstance(value, dict):
+        return get_codec(value)
+    out = {}
+    for boundary, codec in value.items():
+        if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 0:
+            raise ValueError(f"{name}: keys are boundary indices (0 is the link between stages 0 and 1), got "
+                             f"{boundary!r}")
+        out[boundary] = None if codec is None else get_codec(codec)
+    return out
 
 
 def _mix(*values: int) -> int:

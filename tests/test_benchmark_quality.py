@@ -84,7 +84,9 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
     else:
         per_step = 2 * 8 * 3 * message_nbytes([((4, 128, 128), 4 * 128 * 128 * 4)])
         buffers = 2 * 2 * 3 * 32 * 128 * 128 * 4
-    assert unc["total_bytes"] == pytest.approx(2 * per_step, rel=1e-3)  # plus a few resize notes on the first step
+    # plus, per step and boundary, the step results (loss and logs, padded to 256 bytes) riding on the last gradient
+    # message, and a few resize notes on the first step
+    assert 0 < unc["total_bytes"] - 2 * per_step <= 2 * 3 * 512 + 1024
     assert unc["feedback_bytes_final"] == 0
     # clapping-fc: the first step is sent in full (warm start), then compressed; one batch of buffers, constant
     assert per_step < fc["total_bytes"] < 2 * per_step

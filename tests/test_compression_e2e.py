@@ -19,6 +19,9 @@ RUNS = {
     "fc_p1": {"variant": "clapping-fc", "p": 1.0},
     "fc_mixed": {"variant": "clapping-fc", "fwd": "q2:group16:sr", "bwd": "topk:0.2", "p": 0.5},
     "fu_mixed": {"variant": "clapping-fu", "fwd": "randk:0.3", "bwd": "q4", "p": 0.5},
+    "fu_half": {"variant": "clapping-fu", "p": 0.5},
+    "fu_fresh": {"variant": "clapping-fu", "fresh": "q8", "p": 0.5},
+    "fc_link1": {"variant": "clapping-fc", "fwd": {"1": "q4"}, "bwd": {"1": "q8"}, "p": 0.5},
     "aq": {"variant": "aqsgd", "p": 1.0, "steps": 10},
     "lazy": {"variant": "clapping-fc", "lazy": 0.05, "p": 0.2, "lr": 0.01},
     "lazy_off": {"variant": "clapping-fc", "p": 0.2, "lr": 0.01},
@@ -56,7 +59,7 @@ def _weights(out, name):
     return merged
 
 
-@pytest.mark.parametrize("name", ["ef21", "fc_p1", "fc_mixed", "fu_mixed", "aq", "lazy"])
+@pytest.mark.parametrize("name", ["ef21", "fc_p1", "fc_mixed", "fu_mixed", "fu_fresh", "aq", "lazy"])
 def test_both_ends_of_every_boundary_hold_bit_identical_buffers(out, name):
     stages = _by_stage(out, name)
     compared = 0
@@ -138,3 +141,29 @@ def test_dropout_masks_are_frozen_while_a_batch_is_reused(out):
         assert all(torch.equal(a, b) for a, b in zip(sent[i], sent[i - 1])), f"step {i} changed within its window"
     for i in fresh_steps:
         assert not all(torch.equal(a, b) for a, b in zip(sent[i], sent[i - 1]))
+
+
+def test_a_codec_per_boundary_compresses_only_the_links_it_names(out):
+    rows = _metrics(out, "fc_link1")  # forward {1: q4}, backward {1: q8}: boundary 0 stays uncompressed
+    raw_one = message_nbytes([((4, 32), 4 * 32 * 4)])
+    q4_one = message_nbytes([((4, 32), get_codec("q4").payload_nbytes((4, 32), torch.float32))])
+    for r in rows[2:]:
+        assert float(r["clapping/b0_fwd_bytes"]) == 4 * raw_one
+        assert float(r["clapping/b1_fwd_bytes"]) == 4 * q4_one
+    stages = _by_stage(out, "fc_link1")
+    assert stages[0]["feedback"]["fwd_out"] == {}  # no error feedback on the uncompressed link
+    assert len(stages[1]["feedback"]["fwd_out"]) == 4  # one buffer per micro-batch slot on the compressed one
+
+
+def test_a_fresh_codec_sends_clapping_fus_fresh_steps_compressed(out):
+    plain, fresh = _metrics(out, "fu_half"), _metrics(out, "fu_fresh")
+    assert [r["clapping/fresh"] for r in plain] == [r["clapping/fresh"] for r in fresh]  # same sampling decisions
+    fresh_steps = [i for i, r in enumerate(plain) if r["clapping/fresh"] == "1.0" and i > 0]
+    reuse_steps = [i for i, r in enumerate(plain) if r["clapping/fresh"] == "0.0"]
+    assert fresh_steps and reuse_steps
+    q8 = message_nbytes([((4, 32), get_codec("q8").payload_nbytes((4, 32), torch.float32))])
+    for i in fresh_steps:  # full precision without it, q8 with it
+        assert float(fresh[i]["clapping/b0_fwd_bytes"]) == 4 * q8 < float(plain[i]["clapping/b0_fwd_bytes"])
+    for i in reuse_steps:  # reuse steps keep the forward codec
+        assert fresh[i]["clapping/b0_fwd_bytes"] == plain[i]["clapping/b0_fwd_bytes"]
+

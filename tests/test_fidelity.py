@@ -73,6 +73,11 @@ def test_epoch_end_hooks_on_collected_step_outputs_log_as_in_one_process_and_eve
     ({"max_skips": 1.5}, "max_skips must be a non-negative integer"),
     ({"lazy_messages": float("inf")}, "lazy_messages must be a positive finite threshold"),
     ({"split_points": []}, r"split_points=\[\] makes one stage"),
+    ({"fresh_codec": "q8"}, "fresh_codec applies to the error-feedback variants"),
+    ({"autotune": True}, "autotune=True chooses codecs for a compressed variant"),
+    ({"liveness": 30}, "liveness must be a datetime.timedelta"),
+    ({"forward_codec": {-1: "q4"}}, "forward_codec: keys are boundary indices"),
+    ({"backward_codec": {0: "q99"}}, "q99"),
 ])
 def test_arguments_are_checked_when_the_strategy_is_built(kwargs, match):
     import lightning_clapping
@@ -140,3 +145,14 @@ def test_feedback_buffers_from_other_cut_points_restart_empty_with_a_warning():
         warnings.simplefilter("error")
         strategy._restore_feedback({"clapping": {"cut_points": ["net.2", "net.4"]}, "clapping_feedback": buffers})
     assert len(loaded) == 1 and torch.equal(loaded[0]["slot0"], torch.ones(2))
+
+
+def test_a_codec_map_naming_a_boundary_the_model_lacks_is_refused_at_setup():
+    import lightning_clapping
+
+    strategy = lightning_clapping.ClappingStrategy(variant="clapping-fc", forward_codec={0: "q4", 5: "q4"})
+    strategy.parallel_devices = [torch.device("cpu")] * 3
+    with pytest.raises(ValueError, match=r"forward_codec names boundaries \[5\], but 3 stages have boundaries 0 .. 1"):
+        strategy._check_codec_boundaries()
+    strategy.forward_codec = {1: strategy.forward_codec[0]}
+    strategy._check_codec_boundaries()

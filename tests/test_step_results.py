@@ -48,8 +48,24 @@ def test_byte_numbers_arrive_one_step_late_and_sum_exactly(ranks):
     assert "clapping/bytes" not in rows[0]  # the first step has no earlier step to describe
     logged = sum(r["clapping/bytes"] for r in rows[1:])  # steps 0..6, logged at steps 1..7
     totals = ranks[0]["totals"]
-    assert totals["steps"] == STEPS  # the last step is added when training ends
+    assert totals["steps"] == STEPS  # the last step included
     # the last step's numbers are in the totals only; without lazy sampling every step sends the same messages
     assert totals["bytes"] - logged == rows[-1]["clapping/bytes"]
     assert totals["control_bytes"] > 0
     assert all(run["totals"] == totals for run in ranks)
+
+
+def test_autotune_on_loopback_chooses_uncompressed_for_every_link_after_the_second_step(tmp_path):
+    launch("collectives_run.py", str(tmp_path), "clapping-fc", "autotune", cwd=tmp_path, timeout=240)
+    runs = [json.loads((tmp_path / f"collectives_rank{r}.json").read_text()) for r in range(STAGES)]
+    steps = runs[0]["steps"]
+    decided = steps[1]["logged"]  # measured and decided at the end of the second step
+    assert {decided[f"autotune/b{m}_compressed"] for m in range(STAGES - 1)} == {0.0}
+    assert all(decided[f"autotune/b{m}_fwd_mb_s"] > 10 for m in range(STAGES - 1))  # loopback: fast
+    # the numbers logged at step t describe step t - 1: step 1 was compressed (q4/q8), steps 2.. are not (step 2
+    # also announces the new message sizes)
+    assert steps[2]["logged"]["clapping/ratio"] > 1.2
+    assert steps[3]["logged"]["clapping/ratio"] < 1.0
+    assert all(s["logged"]["clapping/ratio"] == 1.0 for s in steps[4:])
+    assert all(run["steps"][-1]["loss"] == steps[-1]["loss"] for run in runs)
+

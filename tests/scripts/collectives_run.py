@@ -1,6 +1,6 @@
 """Count the collectives each rank enters during training steps (not the pipeline's own point-to-point messages).
 
-python collectives_run.py OUT VARIANT [sync]
+python collectives_run.py OUT VARIANT [sync] [autotune]
 
 Every rank wraps torch.distributed's collectives before the Trainer exists, runs 3 stages with Lightning's defaults
 (checkpointing, logger, progress bar) for one epoch of 8 steps, and writes OUT/collectives_rank{r}.json: per training
@@ -84,7 +84,7 @@ class Count(L.Callback):
                            "logged": {k: float(v) for k, v in trainer.callback_metrics.items()}})
 
 
-def main(out: Path, variant: str, sync: bool) -> None:
+def main(out: Path, variant: str, sync: bool, tune: bool = False) -> None:
     torch.manual_seed(0)
     model = (SyncLogMLP if sync else SequentialMLP)(optimizer="sgd", lr=0.05)
     x, y = classification_data(n=64, seed=1)
@@ -92,15 +92,15 @@ def main(out: Path, variant: str, sync: bool) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=3, max_epochs=1, default_root_dir=out,
         strategy=lightning_clapping.ClappingStrategy(split_points=["net.2", "net.4"], microbatches=2,
-                                                     variant=variant),
+                                                     variant=variant, autotune=tune),
         callbacks=[count],
     )
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
     rank = trainer.global_rank
     result = {"steps": count.steps, "samples": float(trainer.callback_metrics.get("samples", float("nan"))),
-              "totals": trainer.strategy._byte_stats.totals if hasattr(trainer.strategy, "_byte_stats") else None}
+              "totals": trainer.strategy.byte_totals}
     (out / f"collectives_rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], len(sys.argv) > 3 and sys.argv[3] == "sync")
+    main(Path(sys.argv[1]), sys.argv[2], "sync" in sys.argv[3:], "autotune" in sys.argv[3:])

@@ -63,9 +63,13 @@ def run(out, name, cfg):
     data = lightning_clapping.LazySamplingDataModule(
         DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0)),
         p=cfg.get("p", 0.5), seed=3)
+    def codec(value):  # {"1": "q4"} in JSON: per-boundary codecs
+        return {int(k): v for k, v in value.items()} if isinstance(value, dict) else value
+
     strategy = lightning_clapping.ClappingStrategy(
-        split_points=["net.2", "net.4"], microbatches=4, variant=cfg["variant"], forward_codec=cfg.get("fwd", "q4"),
-        backward_codec=cfg.get("bwd", "q8"), warm_start=cfg.get("warm_start", True), lazy_messages=cfg.get("lazy"))
+        split_points=["net.2", "net.4"], microbatches=4, variant=cfg["variant"],
+        forward_codec=codec(cfg.get("fwd", "q4")), backward_codec=codec(cfg.get("bwd", "q8")),
+        fresh_codec=cfg.get("fresh"), warm_start=cfg.get("warm_start", True), lazy_messages=cfg.get("lazy"))
     trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=cfg.get("steps", 12),
                         logger=CSVLogger(out, name=name, version=0), log_every_n_steps=1, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
