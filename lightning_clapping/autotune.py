@@ -101,7 +101,7 @@ from lightning_clapping.feedback import VARIANTS
 __all__ = [
     "DEFAULT_CANDIDATES", "DEFAULT_HEADROOM", "PROBE_TAG", "UNCOMPRESSED", "Choice", "LinkMeasure", "ProbeError",
     "agree", "choose", "describe", "ladder", "log_values", "message_bytes", "probe_boundaries", "probe_link",
-    "probe_plan",
+    "probe_plan", "tune_pipeline",
 ]
 
 UNCOMPRESSED = "uncompressed"
@@ -705,3 +705,34 @@ def agree(
 def _same_wire(a: list[float], b: list[float]) -> bool:
     """Equal measurement lists, NaN matching NaN (an unprobed reverse direction)."""
     return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+
+
+def tune_pipeline(
+    stage: int,
+    num_stages: int,
+    rank_of_stage: Callable[[int], int],
+    sent_specs: Mapping[str, Sequence[TensorSpec]],
+    compute_s: float,
+    variant: str,
+    user_codecs: Mapping[str, Any],
+    timeout: timedelta | None = None,
+) -> tuple[dict[int, Choice], dict[int, LinkMeasure]]:
+    """What one pipeline rank does to autotune, between two steps (every rank at once): probe its boundaries with
+    their real uncompressed message size, then :func:`agree` on the choices.
+
+    ``sent_specs``: what this rank sent in the last step, by the executor's rule name (``"fwd_out"``: boundary
+    ``stage``, ``"bwd_out"``: boundary ``stage - 1``); ``user_codecs``: the top of each direction's ladder
+    (``{"fwd": "q4", "bwd": "q8"}``, None: the default ladder).
+    """
+    shapes: dict[int, dict[str, Sequence[TensorSpec]]] = {}
+    if "fwd_out" in sent_specs:
+        shapes[stage] = {"fwd": sent_specs["fwd_out"]}
+    if "bwd_out" in sent_specs:
+        shapes.setdefault(stage - 1, {})["bwd"] = sent_specs["bwd_out"]
+    # the lower stage of a boundary sets its probe size: the boundary's uncompressed message of one micro-batch
+    probe_bytes = {stage - 1: 0, stage: message_bytes(sent_specs["fwd_out"], UNCOMPRESSED)
+                   if "fwd_out" in sent_specs else 0}
+    measures = probe_boundaries(stage, num_stages, rank_of_stage, probe_bytes, timeout=timeout)
+    candidates = {d: ladder(d, user_codecs.get(d)) for d in DIRECTIONS}
+    return agree(stage, num_stages, measures, compute_s, shapes, variant=variant, candidates=candidates)
+

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -114,6 +115,23 @@ class StageRunner:
                 f"stage {self.stage} never reached its first module {self.entry!r}: the step did not call it. "
                 "Cut at a module that the forward calls on every batch."
             )
+
+    @contextmanager
+    def settling_shared_owners(self, module: nn.Module, rank_of_stage: Callable[[int], int]):
+        """Run a step while recording which of the partition's shared parameters this stage's code uses, then give
+        each to the one stage that used it (:meth:`Partition.settle_owner`). Every stage must take part: one
+        ``all_gather_object`` after the step."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        watched = {id(params[k]): k for k in self.partition.shared_params if k in params}
+        with self.recording_uses(watched) as used:
+            yield
+        gathered: list[Any] = [sorted(used)]
+        if self.num_stages > 1:
+            gathered = [None] * self.num_stages
+            dist.all_gather_object(gathered, sorted(used))
+        for key in self.partition.shared_params:
+            self.partition.settle_owner(key, [s for s in range(self.num_stages)
+                                              if key in gathered[rank_of_stage(s)]])
 
     @contextmanager
     def recording_uses(self, watched: dict[int, str]):

@@ -592,17 +592,8 @@ class ClappingStrategy(ParallelStrategy):
         if self._owners_settled or not self.partition.shared_params:
             yield
             return
-        params = dict(self.lightning_module.named_parameters(remove_duplicate=False))
-        watched = {id(params[k]): k for k in self.partition.shared_params if k in params}
-        with self.runner.recording_uses(watched) as used:
+        with self.runner.settling_shared_owners(self.lightning_module, self.rank_of_stage):
             yield
-        gathered: list[Any] = [sorted(used)]
-        if self.num_stages > 1:
-            gathered = [None] * self.num_stages
-            dist.all_gather_object(gathered, sorted(used))
-        for key in self.partition.shared_params:
-            self.partition.settle_owner(key, [s for s in range(self.num_stages)
-                                              if key in gathered[self.rank_of_stage(s)]])
         self._owners_settled = True
         owners = {k: self.partition.state_stage[k] for k in self.partition.shared_params}
         rank_zero_info(f"ClappingStrategy: parameters on modules that span stages, by owning stage: {owners}")
@@ -610,22 +601,11 @@ class ClappingStrategy(ParallelStrategy):
     def _run_autotune(self, compute_s: float) -> None:
         """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
         assert self.executor is not None
-        s, n, sent = self.stage, self.num_stages, self.executor.sent_specs
-        shapes = {}
-        if "fwd_out" in sent:
-            shapes[s] = {"fwd": sent["fwd_out"]}
-        if "bwd_out" in sent:
-            shapes.setdefault(s - 1, {})["bwd"] = sent["bwd_out"]
-        # the lower stage of a boundary sets its probe size: the boundary's uncompressed message of one micro-batch
-        probe_bytes = {s - 1: 0, s: autotune.message_bytes(sent["fwd_out"], autotune.UNCOMPRESSED)
-                       if "fwd_out" in sent else 0}
-        measures = autotune.probe_boundaries(s, n, self.rank_of_stage, probe_bytes, timeout=self._timeout)
-        candidates = {}
-        for d, codec in (("fwd", self.forward_codec), ("bwd", self.backward_codec)):
-            top = None if isinstance(codec, dict) else codec.name  # a per-boundary map: the default ladder
-            candidates[d] = autotune.ladder(d, top)
-        choices, every = autotune.agree(s, n, measures, compute_s, shapes, variant=self.variant,
-                                        candidates=candidates)
+        tops = {d: None if isinstance(c, dict) else c.name  # a per-boundary map: the default ladder
+                for d, c in (("fwd", self.forward_codec), ("bwd", self.backward_codec))}
+        choices, every = autotune.tune_pipeline(self.stage, self.num_stages, self.rank_of_stage,
+                                                self.executor.sent_specs, compute_s, self.variant, tops,
+                                                timeout=self._timeout)
         self._autotuned = choices
         self.executor.rebuild_rules(training_only=True)
         rank_zero_info("ClappingStrategy autotune (kept for the rest of the run):\n"
