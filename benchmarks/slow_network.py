@@ -23,32 +23,52 @@ kernel veth + tbf link as before. Each configured link is checked before its run
 namespaces gives the round-trip time (expect 2 x delay) and a 2-second TCP transfer the throughput (TCP payload, at
 most 1448/1500 of the rate); the table is printed with the results and saved under ``links`` in the JSON, and every
 run on a delayed link records the relay's own counters (``relay``: drops, how late it delivered, its CPU time).
-``--validate-only`` builds the links, prints that table and exits. On a delayed link a synchronous step cannot be shorter than the loopback step plus 2 x (stages - 1) x
-delay (fill and drain): the report gives that floor ("delay floor").
+``--validate-only`` builds the links, prints that table and exits. On a delayed link a synchronous step cannot be
+shorter than the loopback step plus 2 x (stages - 1) x delay (fill and drain): the report gives that floor ("delay
+floor") and each step's ratio to it ("x floor").
 
 Model and data: ``CharTransformer(vocab, block_size=128, d=128, heads=4, layers=4)`` from examples/char_lm.py, one
 block per stage, Shakespeare windows of 128 characters, batch 32, 8 micro-batches, 1F1B, AdamW with warm-up; fp32
 messages are then 2 MiB per link and direction per step. Each rank uses one CPU thread (``OMP_NUM_THREADS=1`` and
 ``torch.set_num_threads(1)``): four ranks share a small CPU without oversubscribing it.
 
-Variants, all with the same seed, steps and optimizer: uncompressed; clapping-fc (4-bit forward, 8-bit backward,
-lazy sampling p=0.5); on the shaped links also clapping-fc with 4-bit messages both ways (``--fc-extra``); and
-clapping-fu with the first codecs at p=0.5 and p=0.2. Measured per run: the median step time on
-rank 0 (wall time from ``on_train_batch_start`` to ``on_train_batch_end``, the first steps left out; validation is
-never inside a step), the bytes per step the strategy logs (``clapping/b{m}_fwd_bytes`` etc.), the veth and tbf
-counters (whole run, and per rank inside the training steps only), and the validation loss every K steps on a fixed
-subset of the held-out plays. Time-to-target: the target is the validation loss that uncompressed reaches at the end
-of its run on the same link; a run's time-to-target is its cumulative training time (sum of step times, validation
-excluded) up to the first validation at or below the target, or "not reached". ``--budget F`` lets the compressed
+Variants, all with the same seed, steps and optimizer: uncompressed; the baselines direct (the same codecs, 4-bit
+forward / 8-bit backward, no error feedback, no lazy sampling; ``--no-direct`` leaves it out) and AQ-SGD (per-sample
+forward buffers, a sample's first visit sent in full, gradients compressed directly, p = 1; its data wrapped in
+``LazySamplingDataModule(p=1)`` for the sample ids; ``--no-aqsgd``); clapping-fc (4-bit forward, 8-bit backward,
+lazy sampling p=0.5); on the shaped links also clapping-fc with 4-bit messages both ways (``--fc-extra``) and
+clapping-fu with the first codecs at p=0.5 and p=0.2; and "auto": clapping-fc at p=0.5 with ``autotune=True``, only
+when ``ClappingStrategy`` has that parameter (``--no-auto``). ``--tiny`` runs uncompressed, direct, AQ-SGD,
+clapping-fc and auto. Measured per run: the median step time on rank 0 (wall time from ``on_train_batch_start`` to
+``on_train_batch_end``, the first steps left out; validation is never inside a step), the bytes per step (the
+strategy's exact ``byte_totals`` after fit / steps), per boundary and direction (``clapping/b{m}_fwd_bytes`` etc.:
+the strategy gathers them asynchronously and logs the values of step t at step t + 1, none at the first step; each
+rank's per-step record is re-aligned so that a row holds its own step's numbers, and the last step's are then only
+in the totals), the veth and tbf counters (whole run, and per rank inside the training steps only), and the
+validation loss every K steps on a fixed subset of the held-out plays. Time-to-target: the target is the validation
+loss that uncompressed reaches at the end of its run on the same link; a run's time-to-target is its cumulative
+training time (sum of step times, validation excluded) up to the first validation at or below the target, or "not
+reached"; the report orders each link's variants by it ("first to the target"). ``--budget F`` lets the compressed
 variants train up to F times the steps (default 1: the same steps for all).
+
+Targets, on every 100 Mbit/s link: clapping-fc's step <= 1.15 x the loopback step, its time-to-target >= 2 x shorter
+than uncompressed, and, on a link with delay, its step <= 1.25 x the delay floor (the uncompressed step's ratio to
+that floor is reported next to it); on 25 Mbit/s links: time-to-target >= 4 x shorter.
 
 Timings only mean something on an otherwise idle machine: every run records how many CPU cores other processes used
 meanwhile (column "other"; the script warns when it exceeds 0.2), so disturbed numbers can be recognised and re-run.
+On a delayed link the relay is the benchmark's own process: its CPU time during the run is left out of "other" and
+recorded as ``relay_cores`` (``other_cores_with_relay`` keeps the sum).
 
-Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test, under a minute), ``--quick`` (60 steps,
-about 10 minutes with 4 ranks on 2 cores, most of it the uncompressed run at 25 Mbit/s and process start-up), default
-(400 steps). Results: ``slow_network.json`` (everything, per step), ``.csv`` (one row per run) and ``.png`` under
-``--out``; ``--validate-only`` writes ``slow_network_links.json`` (under ``--out``, default a temp folder).
+Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test, a few minutes), ``--quick`` (60 steps;
+with 4 ranks on 2 cores each run takes 40-180 s, process start-up included: all 26 runs over ``--links 100@0 100@25
+25@25`` took 36 minutes; leave rows out with ``--no-direct``, ``--no-aqsgd``, ``--no-auto``, ``--fc-extra`` and
+``--fu-p`` without values), default (400 steps). ``--schedule gpipe`` runs every setting with GPipe instead of 1F1B.
+
+Results: ``STEM.json`` (everything, per step), ``.csv`` (one row per run) and ``.png`` under ``--out``, STEM being
+``--stem`` or ``slow_network`` + ``_delay`` (a link with delay) + ``_quick`` (quick mode), so quick and delayed runs do
+not overwrite the full run's files; ``--validate-only`` writes ``slow_network_links.json`` (under ``--out``, default a
+temp folder).
 """
 
 from __future__ import annotations
@@ -56,6 +76,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import csv
+import functools
 import json
 import math
 import os
@@ -129,9 +150,16 @@ def _ms(text: str) -> float:
 class Variant:
     label: str
     variant: str
-    p: float = 1.0  # lazy sampling: probability of a fresh batch (1.0: plain data module)
+    p: float = 1.0  # lazy sampling: probability of a fresh batch (1.0: plain data module, except for aqsgd)
     forward_codec: str = "q4"
     backward_codec: str = "q8"
+    autotune: bool = False  # ClappingStrategy(autotune=True): the strategy picks each boundary's codecs itself
+
+    @property
+    def sample_ids(self) -> bool:
+        """AQ-SGD keeps one buffer per training sample: its data is wrapped in LazySamplingDataModule(p=1), which
+        changes nothing but reports the sample ids."""
+        return self.variant == "aqsgd"
 
 
 @dataclass
@@ -174,10 +202,31 @@ def make_mode(args: argparse.Namespace) -> Mode:
     return mode
 
 
+@functools.lru_cache(maxsize=None)
+def strategy_accepts(name: str) -> bool:
+    """Whether this version of ``lightning_clapping.ClappingStrategy`` takes the keyword ``name`` (``autotune`` is
+    newer than this script's other settings). Asked in a child process: the launcher itself never imports torch."""
+    code = ("import inspect, sys, lightning_clapping as lc; "
+            "sys.exit(0 if sys.argv[1] in inspect.signature(lc.ClappingStrategy).parameters else 3)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
+    proc = subprocess.run([sys.executable, "-c", code, name], env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode not in (0, 3):
+        raise SystemExit(f"slow_network: cannot import lightning_clapping:\n{proc.stderr[-2000:]}")
+    return proc.returncode == 0
+
+
 def make_variants(args: argparse.Namespace) -> list[Variant]:
+    """The runs of every shaped link, in table order: uncompressed; the baselines direct and AQ-SGD (same codecs as
+    Clapping, no lazy sampling); clapping-fc (and its --fc-extra codec pairs); clapping-fu; and "auto" (clapping-fc
+    with autotune, when the strategy has it). --no-direct / --no-aqsgd / --no-auto leave a row out; --tiny keeps
+    uncompressed, the baselines, clapping-fc and auto."""
     fwd, bwd = args.forward_codec, args.backward_codec
-    out = [Variant("uncompressed", "uncompressed"),
-           Variant(f"clapping-fc p={args.p:g}", "clapping-fc", args.p, fwd, bwd)]
+    out = [Variant("uncompressed", "uncompressed")]
+    if not getattr(args, "no_direct", False):
+        out.append(Variant("direct", "direct", 1.0, fwd, bwd))
+    if not getattr(args, "no_aqsgd", False):
+        out.append(Variant("aqsgd", "aqsgd", 1.0, fwd, bwd))
+    out.append(Variant(f"clapping-fc p={args.p:g}", "clapping-fc", args.p, fwd, bwd))
     if not args.tiny:
         for pair in args.fc_extra:
             extra_fwd, _, extra_bwd = pair.partition("/")
@@ -185,7 +234,27 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
                 raise SystemExit(f"--fc-extra takes FORWARD/BACKWARD codec pairs such as q4/q4, got {pair!r}")
             out.append(Variant(f"clapping-fc p={args.p:g} {pair}", "clapping-fc", args.p, extra_fwd, extra_bwd))
         out += [Variant(f"clapping-fu p={p:g}", "clapping-fu", p, fwd, bwd) for p in args.fu_p]
+    if not getattr(args, "no_auto", False) and strategy_accepts("autotune"):
+        out.append(Variant(f"auto p={args.p:g}", "clapping-fc", args.p, fwd, bwd, autotune=True))
     return out
+
+
+def loopback_variants(variants: list[Variant], args: argparse.Namespace) -> list[Variant]:
+    """On loopback: uncompressed (the communication-free limit) and, unless --no-loopback-fc or --tiny, the main
+    clapping-fc (it shows the codecs' compute cost without a network)."""
+    out = [v for v in variants if v.variant == "uncompressed"]
+    if not (args.no_loopback_fc or args.tiny):
+        out += [v for v in variants if v.variant == "clapping-fc" and not v.autotune][:1]
+    return out
+
+
+def output_stem(mode: Mode, args: argparse.Namespace) -> str:
+    """File names of the results: ``--stem``, else ``slow_network`` with ``_delay`` when a link has a delay and
+    ``_quick`` in quick mode, so a quick or delayed run never overwrites the full run's files."""
+    if args.stem:
+        return args.stem
+    delayed = any(x.delay_ms is not None for x in mode.links)
+    return "slow_network" + ("_delay" if delayed else "") + ("_quick" if mode.name == "quick" else "")
 
 
 def fp32_message_bytes(mode: Mode) -> int:
@@ -204,6 +273,33 @@ def _read_counters(ifname: str) -> tuple[int, int]:
         return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
     except OSError:
         return 0, 0
+
+
+#: the strategy's per-step byte numbers (``clapping/...``): gathered asynchronously, logged one step late
+LAGGED_PREFIX = "clapping/"
+
+
+def metrics_lag(steps: list[dict]) -> int:
+    """1 when the ``clapping/...`` values read at step t describe step t - 1 (the strategy logs none at the first
+    step and gathers its byte numbers off the critical path), 0 for a strategy that logs each step's own."""
+    if not steps or any(k.startswith(LAGGED_PREFIX) for k in steps[0]):
+        return 0
+    return 1 if any(k.startswith(LAGGED_PREFIX) for s in steps[1:] for k in s) else 0
+
+
+def align_step_metrics(steps: list[dict], lag: int) -> list[dict]:
+    """Each step's row with the ``clapping/...`` values of that step: with ``lag`` 1 they are taken from the next
+    row (where they were logged); the last step then has none (its numbers are only in ``byte_totals``). Timings,
+    interface counters and the other metrics (``train_loss`` is the step's own) stay in their row."""
+    if lag == 0:
+        return [dict(s) for s in steps]
+    out = []
+    for i, s in enumerate(steps):
+        row = {k: x for k, x in s.items() if not k.startswith(LAGGED_PREFIX)}
+        if i + lag < len(steps):
+            row.update((k, x) for k, x in steps[i + lag].items() if k.startswith(LAGGED_PREFIX))
+        out.append(row)
+    return out
 
 
 def worker(config_path: str) -> None:
@@ -274,11 +370,14 @@ def worker(config_path: str) -> None:
     model = CharTransformer(dm.vocab_size, block_size=cfg["block"], d=cfg["d"], heads=cfg["heads"],
                             layers=cfg["layers"])
     v = cfg["variant"]
-    data = dm if v["p"] >= 1.0 else lightning_clapping.LazySamplingDataModule(dm, p=v["p"], seed=cfg["seed"])
+    # lazy sampling for p < 1; AQ-SGD needs the sample ids that the wrapper reports (at p = 1 it changes nothing else)
+    wrap = v["p"] < 1.0 or v["variant"] == "aqsgd"
+    data = lightning_clapping.LazySamplingDataModule(dm, p=v["p"], seed=cfg["seed"]) if wrap else dm
+    extra = {"autotune": True} if v.get("autotune") else {}  # only then: older strategies lack the keyword
     strategy = lightning_clapping.ClappingStrategy(
-        split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"], schedule="1f1b",
+        split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"], schedule=cfg["schedule"],
         variant=v["variant"], forward_codec=v["forward_codec"], backward_codec=v["backward_codec"],
-        timeout=timedelta(seconds=cfg["strategy_timeout"]))
+        timeout=timedelta(seconds=cfg["strategy_timeout"]), **extra)
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, num_nodes=stages, strategy=strategy, max_steps=cfg["steps"],
@@ -288,8 +387,12 @@ def worker(config_path: str) -> None:
     assert trainer.global_rank == rank and trainer.strategy.num_stages == stages, (trainer.global_rank, stages)
     t_fit = time.perf_counter()
     trainer.fit(model, datamodule=data)
+    lag = metrics_lag(recorder.steps)
+    totals = getattr(trainer.strategy, "byte_totals", None)
     result = {
-        "rank": rank, "stage": stages - 1 - rank, "ifname": ifname, "steps": recorder.steps, "vals": recorder.vals,
+        "rank": rank, "stage": stages - 1 - rank, "ifname": ifname, "steps": align_step_metrics(recorder.steps, lag),
+        "metrics_lag": lag, "byte_totals": dict(totals) if totals else None, "vals": recorder.vals,
+        "autotune": {k: float(x) for k, x in trainer.callback_metrics.items() if k.startswith("autotune/")},
         "train_tx": recorder.train_tx, "train_rx": recorder.train_rx, "val_tx": recorder.val_tx,
         "val_rx": recorder.val_rx, "setup_seconds": t_fit - t_start, "fit_seconds": time.perf_counter() - t_fit,
         "torch_threads": torch.get_num_threads(),
@@ -463,17 +566,26 @@ def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, co
         return statistics.median(values) if values else None
 
     fp32 = fp32_message_bytes(mode)
+    # exact sums over all steps (the last one included) when the strategy has them; else the mean of the logged steps
+    totals = r0.get("byte_totals") or {}
+    if totals.get("steps"):
+        bytes_per_step = totals["bytes"] / totals["steps"]
+    else:
+        bytes_per_step = _mean([s.get("clapping/bytes") for s in steps])
     row.update(
         steps=len(steps), median_step_s=statistics.median(timed), mean_step_s=statistics.fmean(timed),
         p10_step_s=_quantile(timed, 0.1), p90_step_s=_quantile(timed, 0.9), first_step_s=times[0],
-        train_seconds=total, bytes_per_step=_mean([s.get("clapping/bytes") for s in steps]),
+        train_seconds=total, bytes_per_step=bytes_per_step, byte_totals=totals or None,
+        metrics_lag=r0.get("metrics_lag", 0), autotune=r0.get("autotune") or None,
         median_bytes_per_step=med("clapping/bytes"),
         fp32_bytes_per_step=2 * (S - 1) * fp32, logged_ratio=med("clapping/ratio"),
         fwd_bytes_per_boundary=[_mean([s.get(f"clapping/b{m}_fwd_bytes") for s in steps]) for m in range(S - 1)],
         bwd_bytes_per_boundary=[_mean([s.get(f"clapping/b{m}_bwd_bytes") for s in steps]) for m in range(S - 1)],
         min_message_bytes=min((s.get(f"clapping/b{m}_{d}_bytes") or math.inf for s in steps for m in range(S - 1)
                                for d in ("fwd", "bwd")), default=0.0) / mode.microbatches,
-        distinct_samples=steps[-1].get("clapping/distinct_samples", len(steps) * mode.batch),
+        # samples of fresh batches (all batches without lazy sampling); the logged count of the last step is gone
+        distinct_samples=(totals["fresh_steps"] * mode.batch if totals.get("steps")
+                          else steps[-1].get("clapping/distinct_samples", len(steps) * mode.batch)),
         final_train_loss=steps[-1].get("train_loss"),
         vals=[dict(v, train_seconds=cumulative.get(v["step"])) for v in r0["vals"]],
         setup_seconds=max(r["setup_seconds"] for r in raw["ranks"]),
@@ -482,7 +594,9 @@ def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, co
     )
     row["final_val_loss"] = row["vals"][-1]["val_loss"] if row["vals"] else None
     row["fewer_bytes_x"] = row["fp32_bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else None
-    # per rank: what the strategy says it sent in the training steps, against what left its interface meanwhile
+    # per rank: what the strategy says it sent in the training steps, against what left its interface meanwhile;
+    # both over the steps whose per-boundary numbers are known (with the logged numbers a step late: all but the last)
+    known = {s["step"] for s in steps if "clapping/bytes" in s}
     per_rank = []
     for r in sorted(raw["ranks"], key=lambda r: r["rank"]):
         stage = S - 1 - r["rank"]
@@ -494,9 +608,10 @@ def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, co
                 sent += s.get(f"clapping/b{stage - 1}_bwd_bytes", 0.0)
         entry = {"rank": r["rank"], "stage": stage, "ifname": r["ifname"], "strategy_sent_bytes": sent}
         if link is not None:  # on loopback every rank shares `lo`: its counters say nothing per rank
+            tx_known = sum(s["tx"] for s in r["steps"] if s["step"] in known)
             entry.update(veth_tx_in_steps=r["train_tx"], veth_rx_in_steps=r["train_rx"],
-                         veth_tx_in_validation=r["val_tx"],
-                         veth_over_strategy=r["train_tx"] / sent if sent else None)
+                         veth_tx_in_validation=r["val_tx"], veth_tx_in_known_steps=tx_known,
+                         veth_over_strategy=tx_known / sent if sent else None)
         per_rank.append(entry)
     row["per_rank"] = per_rank
     if link is not None:
@@ -504,7 +619,7 @@ def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, co
         busiest = max(per_rank, key=lambda e: e["veth_tx_in_steps"])
         # the wire time of the busiest interface alone, per step: a floor under the step time at this rate
         row["wire_floor_step_s"] = busiest["veth_tx_in_steps"] * 8 / (link.rate_mbit * 1e6) / len(steps)
-        row["veth_over_strategy"] = (sum(e["veth_tx_in_steps"] for e in per_rank)
+        row["veth_over_strategy"] = (sum(e["veth_tx_in_known_steps"] for e in per_rank)
                                      / max(1.0, sum(e["strategy_sent_bytes"] for e in per_rank)))
         if counters:
             row["tbf_overlimits"] = sum(c.get("qdisc_overlimits", 0) for c in counters.values())
@@ -556,38 +671,69 @@ def add_comparisons(rows: list[dict]) -> None:
             r["x_delay_floor"] = r["median_step_s"] / r["delay_floor_step_s"]
 
 
+#: on a delayed 100 Mbit/s link, clapping-fc's step may be at most this many times the delay floor
+DELAY_FLOOR_BOUND = 1.25
+
+
 def evaluate_targets(rows: list[dict]) -> list[dict]:
     """The project's targets on every link of rate 100 or 25 Mbit/s (each delay its own link, named by its label)."""
 
     def find(link, kind):
         return next((r for r in rows if r["link"] == link and r["kind"] == kind and not r["error"]), None)
 
-    def fc_specs(rate: float, link: str, row: dict | None, name: str) -> list[tuple]:
+    def fc_specs(rate: float, link: str, row: dict | None, name: str, delayed: bool) -> list[tuple]:
         if rate == 100.0:
-            return [(f"{link}: {name} step time <= 1.15x loopback step time", row, "x_loopback_step", 1.15, "<="),
-                    (f"{link}: {name} time-to-target >= 2x shorter than uncompressed", row, "ttt_speedup", 2.0, ">=")]
+            specs = [(f"{link}: {name} step time <= 1.15x loopback step time", row, "x_loopback_step", 1.15, "<="),
+                     (f"{link}: {name} time-to-target >= 2x shorter than uncompressed", row, "ttt_speedup", 2.0,
+                      ">=")]
+            if delayed:  # the physical limit of a synchronous pipeline on a link with delay
+                specs.append((f"{link}: {name} step time <= {DELAY_FLOOR_BOUND:g}x the delay floor (loopback step "
+                              "+ 2 x (stages - 1) x one-way delay)", row, "x_delay_floor", DELAY_FLOOR_BOUND, "<="))
+            return specs
         return [(f"{link}: {name} time-to-target >= 4x shorter than uncompressed", row, "ttt_speedup", 4.0, ">=")]
 
     out, specs = [], []
     for rate in (100.0, 25.0):
         links = list(dict.fromkeys(r["link"] for r in rows if r["rate_mbit"] == rate)) or [f"{rate:g} Mbit/s"]
         for link in links:
-            # the first clapping-fc run of a link is the main one; the others (--fc-extra) are named by their label
+            delayed = any((r.get("delay_ms") or 0) > 0 for r in rows if r["link"] == link)
+            # the first clapping-fc run of a link is the main one; the others (--fc-extra, auto) are named by their
+            # label
             main = find(link, "clapping-fc")
-            specs += fc_specs(rate, link, main, "clapping-fc")
+            specs += fc_specs(rate, link, main, "clapping-fc", delayed)
             for extra in (r for r in rows if r["link"] == link and r["kind"] == "clapping-fc" and not r["error"]
                           and r is not main):
-                specs += fc_specs(rate, link, extra, extra["variant"])
+                specs += fc_specs(rate, link, extra, extra["variant"], delayed)
+            if delayed and rate == 100.0:  # how far uncompressed is from the same limit: to read, not a target
+                specs.append((f"{link}: uncompressed step time / delay floor", find(link, "uncompressed"),
+                              "x_delay_floor", None, "report"))
     for text, row, key, bound, op in specs:
         value = row.get(key) if row else None
         if row is None:
             verdict = "not measured (link not in this run or the run failed)"
         elif value is None:
             verdict = "NOT MET (target loss not reached)" if key == "ttt_speedup" else "not measured"
+        elif op == "report":
+            verdict = "reported (not a target)"
         else:
             ok = value <= bound if op == "<=" else value >= bound
             verdict = "MET" if ok else "NOT MET"
         out.append({"target": text, "value": value, "bound": bound, "verdict": verdict})
+    return out
+
+
+def first_to_target(rows: list[dict]) -> dict[str, list[dict]]:
+    """Per shaped link, every variant ordered by its time to the link's target (training time, validation excluded;
+    those that did not reach it last, by their final validation loss): which setting gets there first."""
+    out: dict[str, list[dict]] = {}
+    for link in dict.fromkeys(r["link"] for r in rows if r["rate_mbit"] is not None):
+        mine = [r for r in rows if r["link"] == link and not r["error"]]
+        ranked = sorted(mine, key=lambda r: (r.get("time_to_target_s") is None, r.get("time_to_target_s") or 0.0,
+                                             r.get("final_val_loss") if r.get("final_val_loss") is not None
+                                             else math.inf))
+        out[link] = [{"variant": r["variant"], "time_to_target_s": r.get("time_to_target_s"),
+                      "target_step": r.get("target_step"), "final_val_loss": r.get("final_val_loss"),
+                      "median_step_s": r["median_step_s"]} for r in ranked]
     return out
 
 
@@ -598,9 +744,12 @@ def _fmt(x, spec=".3f", none="-") -> str:
 TABLE_LEGEND = (
     "step s / mean s: median / mean wall time of a training step on rank 0 (first steps left out); x loop: / the "
     "loopback uncompressed step time; x unc (first): uncompressed step time / this one, same link; MiB/step: bytes "
-    "the strategy sent over all boundaries per step (mean over all steps); fewer: fp32 bytes / those bytes; veth/str: "
-    "bytes that left the stage veths during training steps / bytes the strategy counted (headers, ACKs and the "
-    "per-step collectives make it > 1); floor s: busiest veth's bytes per step / link rate; val loss: at the last "
+    "the strategy sent over all boundaries per step (its exact totals / steps: headers and the step results that "
+    "ride on the gradient messages included); fewer: fp32 bytes / those bytes; veth/str: bytes that left the stage "
+    "interfaces during training steps / bytes the strategy counted, over the steps whose per-boundary numbers are "
+    "known (all but the last: they are logged a step late; TCP/IP headers, ACKs and the asynchronous gather of the "
+    "byte numbers make it > 1); floor s: busiest interface's bytes per step / link rate; x floor: step / delay floor "
+    "(loopback step + 2 x (stages - 1) x one-way delay, delayed links only); val loss: at the last "
     "step; target: uncompressed final val loss on that link; to target s: cumulative training time to the first "
     "validation <= target (@ step); x unc (last): uncompressed time-to-target / this one; other: CPU cores that "
     "other processes on the machine used on average during the run (> 0 means the timings were disturbed)."
@@ -608,9 +757,9 @@ TABLE_LEGEND = (
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'link':<16} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'MiB/step':>8} "
-            f"{'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} {'to target s':>11} "
-            f"{'x unc':>6} {'other':>5}")
+    head = (f"{'link':<16} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'x floor':>7} "
+            f"{'MiB/step':>8} {'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} "
+            f"{'to target s':>11} {'x unc':>6} {'other':>5}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -622,7 +771,8 @@ def print_table(rows: list[dict]) -> None:
         mib = r["bytes_per_step"] / MiB if r["bytes_per_step"] is not None else None
         print(f"{r['link']:<16} {r['variant']:<24} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
               f"{_fmt(r.get('x_loopback_step'), '.2f'):>7} {_fmt(r.get('step_speedup'), '.2f'):>6} "
-              f"{_fmt(mib, '.3f'):>8} {_fmt(r.get('fewer_bytes_x'), '.1f'):>6} "
+              f"{_fmt(r.get('x_delay_floor'), '.2f'):>7} {_fmt(mib, '.3f'):>8} "
+              f"{_fmt(r.get('fewer_bytes_x'), '.1f'):>6} "
               f"{_fmt(r.get('veth_over_strategy'), '.3f'):>8} "
               f"{_fmt(r.get('wire_floor_step_s'), '.3f'):>7} {_fmt(r['final_val_loss'], '.4f'):>8} "
               f"{_fmt(r.get('target_val_loss'), '.4f'):>7} {ttt:>11} {_fmt(r.get('ttt_speedup'), '.2f'):>6} "
@@ -752,7 +902,11 @@ def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path:
 
     ok = [r for r in rows if not r["error"]]
     groups = ["loopback"] + [x.label for x in links]
-    labels = list(dict.fromkeys(r["variant"] for r in ok))
+    # the variants in the order of a shaped link's runs (loopback has only some), one colour each in every panel
+    labels = list(dict.fromkeys([r["variant"] for r in ok if r["link"] != "loopback"]
+                                + [r["variant"] for r in ok]))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {label: cycle[j % len(cycle)] for j, label in enumerate(labels)}
     fig, axes = plt.subplots(1, 1 + len(links), figsize=(5.5 * (1 + len(links)), 4.3))
     ax = axes[0]
     width = 0.8 / max(1, len(labels))
@@ -764,8 +918,14 @@ def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path:
                 xs.append(g + (j - (len(labels) - 1) / 2) * width)
                 means.append(r["mean_step_s"])
                 medians.append(r["median_step_s"])
-        ax.bar(xs, means, width, label=label)
+        ax.bar(xs, means, width, label=label, color=colour[label])
         ax.plot(xs, medians, "k.", ms=5, label="median" if j == 0 else None)
+    floor_label = "delay floor"
+    for g, name in enumerate(groups):  # the delay floor of a delayed link, across its group of bars
+        floor = next((r["delay_floor_step_s"] for r in ok if r["link"] == name and r.get("delay_floor_step_s")), None)
+        if floor is not None:
+            ax.hlines(floor, g - 0.45, g + 0.45, colors="red", linestyles="--", lw=1, label=floor_label)
+            floor_label = None
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("step time (s): bar mean, dot median")
     ax.set_title("step time per link (rank 0, warm-up left out)")
@@ -779,12 +939,12 @@ def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path:
             target = r.get("target_val_loss", target)
             pts = [(v["train_seconds"], v["val_loss"]) for v in r["vals"] if v["val_loss"] is not None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=r["variant"])
+                ax.plot(*zip(*pts), marker="o", label=r["variant"], color=colour[r["variant"]])
         if target is not None:
             ax.axhline(target, color="grey", ls="--", lw=1, label="target (uncompressed final)")
         ax.set_xlabel("training wall time (s, validation excluded)")
         ax.set_ylabel("validation loss")
-        ax.set_title(f"{name}: {shaping[name]}", fontsize=9)
+        ax.set_title(textwrap.fill(f"{name}: {shaping[name]}", width=60), fontsize=8)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -807,7 +967,7 @@ CSV_FIELDS = [
     "median_bytes_per_step", "fp32_bytes_per_step", "fewer_bytes_x", "veth_over_strategy", "wire_floor_step_s",
     "delay_floor_step_s", "x_delay_floor", "tbf_overlimits", "tbf_drops", "relay_queue_drops", "final_val_loss",
     "target_val_loss", "time_to_target_s", "target_step", "ttt_speedup", "train_seconds", "distinct_samples",
-    "other_cores", "load_before", "load_after", "wall_seconds", "warning",
+    "other_cores", "relay_cores", "other_cores_with_relay", "load_before", "load_after", "wall_seconds", "warning",
 ]
 
 
@@ -819,10 +979,15 @@ CSV_FIELDS = [
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="60 steps, validation every 20 (a few minutes)")
+    size.add_argument("--quick", action="store_true",
+                      help="60 steps, validation every 20 (about a minute or two per run; 36 minutes for all the runs "
+                           "over three delayed links)")
     size.add_argument("--tiny", action="store_true", help="smoke test: 2 stages, tiny model, 3 steps, one link")
     ap.add_argument("--out", type=Path, default=None,
                     help="folder for the JSON, CSV and PNG (default benchmarks/results; --tiny: a temp folder)")
+    ap.add_argument("--stem", default=None,
+                    help="file name of the results without extension (default slow_network, with _delay when a link "
+                         "has a delay and _quick in quick mode: a quick or delayed run keeps the full run's files)")
     ap.add_argument("--links", type=parse_link, nargs="+", default=None, metavar="RATE[@DELAY]",
                     help="links in Mbit/s, each optionally with a one-way delay in ms: 100 (kernel veth + tbf), "
                          "100@25 (user-space relay, 25 ms each way), 100@0 (relay, no delay) (default: 100 25)")
@@ -843,13 +1008,24 @@ def main(argv: list[str] | None = None) -> int:
                          "the same steps for all; > 1 gives a variant that is slower per step a chance to reach the "
                          "target, at its own cost in time)")
     ap.add_argument("--p", type=float, default=0.5, help="lazy-sampling p of clapping-fc")
-    ap.add_argument("--fu-p", type=float, nargs="+", default=[0.5, 0.2], help="lazy-sampling p values of clapping-fu")
+    ap.add_argument("--fu-p", type=float, nargs="*", default=[0.5, 0.2],
+                    help="lazy-sampling p values of clapping-fu (none with an empty list)")
     ap.add_argument("--fc-extra", nargs="*", default=["q4/q4"], metavar="FWD/BWD",
                     help="further clapping-fc variants with these codec pairs on the shaped links (default q4/q4: "
                          "4-bit gradients too; none with an empty list)")
+    ap.add_argument("--no-direct", action="store_true",
+                    help="leave out the direct-compression baseline (the codecs below, no error feedback, p = 1)")
+    ap.add_argument("--no-aqsgd", action="store_true",
+                    help="leave out the AQ-SGD baseline (forward: per-sample buffers, first visits in full; backward: "
+                         "direct; the codecs below, p = 1)")
+    ap.add_argument("--no-auto", action="store_true",
+                    help="leave out the autotune row (clapping-fc at --p with autotune=True; only added when the "
+                         "strategy has that parameter)")
     ap.add_argument("--forward-codec", default="q4")
     ap.add_argument("--backward-codec", default="q8")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    ap.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                    help="pipeline schedule of every run (default 1f1b; gpipe runs all forwards, then all backwards)")
     ap.add_argument("--no-loopback-fc", action="store_true",
                     help="skip clapping-fc on loopback (it shows the codecs' compute cost without a network)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the per-rank logs (their folder is printed)")
@@ -868,34 +1044,43 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_only:
         return validate_only(mode, args)
     variants = make_variants(args)
-    loop_variants = variants[:1] if (args.no_loopback_fc or args.tiny) else variants[:2]
+    loop_variants = loopback_variants(variants, args)
     out = args.out or (Path(tempfile.gettempdir()) / "slow_network_tiny" if args.tiny else ROOT / "benchmarks/results")
+    stem = output_stem(mode, args)
     layers_per_stage = mode.layers // mode.stages or 1
     cuts = [k * layers_per_stage for k in range(1, mode.stages)]
     base_cfg = {k: getattr(mode, k) for k in ("stages", "d", "heads", "layers", "block", "batch", "microbatches",
                                               "steps", "val_every", "val_batches", "data_limit", "seed")}
-    base_cfg.update(cuts=cuts, threads=args.threads, strategy_timeout=300)
+    base_cfg.update(cuts=cuts, threads=args.threads, strategy_timeout=300, schedule=args.schedule)
     info = machine()
     settings = dict(asdict(mode), budget=args.budget, burst=args.burst, latency=args.latency,
                     shaping={x.label: shaping_text(x, args) for x in mode.links},
                     threads_per_rank=args.threads,
-                    split_points=[f"blocks.{c}" for c in cuts], schedule="1f1b", optimizer="AdamW lr 1e-3 wd 0.01, "
-                    "linear warm-up 20 steps (examples/char_lm.py)", prepost_receives="strategy default (on for gloo)",
+                    split_points=[f"blocks.{c}" for c in cuts], schedule=args.schedule,
+                    optimizer="AdamW lr 1e-3 wd 0.01, linear warm-up 20 steps (examples/char_lm.py)",
+                    prepost_receives="strategy default (on for gloo)",
                     fp32_message_bytes=fp32_message_bytes(mode), variants=[asdict(v) for v in variants],
-                    loopback_variants=[v.label for v in loop_variants])
+                    loopback_variants=[v.label for v in loop_variants],
+                    strategy_has_autotune=strategy_accepts("autotune"), metrics_lag_note="clapping/... values are "
+                    "logged a step late by the strategy; per-step rows are re-aligned to their own step",
+                    delay_floor_bound=DELAY_FLOOR_BOUND, command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, lightning "
           f"{info['lightning']}, Python {info['python']}, kernel {info['kernel']}, load average "
           f"{', '.join(f'{x:.2f}' for x in info['load_average_at_start'])}")
     print(f"mode {mode.name}: {mode.stages} stages (split at {settings['split_points']}), CharTransformer d={mode.d} "
           f"heads={mode.heads} layers={mode.layers} block={mode.block}, batch {mode.batch}, {mode.microbatches} "
-          f"micro-batches, 1F1B, {mode.steps} steps, validation every {mode.val_every} steps on {mode.val_batches} "
-          f"fixed batches, median over steps > {mode.skip}, seed {mode.seed}, {args.threads} thread(s) per rank"
+          f"micro-batches, {args.schedule.upper()}, {mode.steps} steps, validation every {mode.val_every} steps on "
+          f"{mode.val_batches} fixed batches, median over steps > {mode.skip}, seed {mode.seed}, {args.threads} "
+          "thread(s) per rank"
           + (f", compressed variants up to {args.budget:g}x the steps" if args.budget != 1.0 else ""))
     print(f"links: {'; '.join(f'{x.label} ({shaping_text(x, args)})' for x in mode.links)}; and loopback; fp32 "
           f"message per boundary and direction per step: "
           f"{fp32_message_bytes(mode) / MiB:.3f} MiB")
     print(f"variants: {', '.join(v.label for v in variants)} (codecs {args.forward_codec} forward / "
-          f"{args.backward_codec} backward); on loopback: {', '.join(v.label for v in loop_variants)}\n")
+          f"{args.backward_codec} backward); on loopback: {', '.join(v.label for v in loop_variants)}"
+          + ("" if settings["strategy_has_autotune"] else "; no auto row: this ClappingStrategy has no autotune "
+             "parameter"))
+    print(f"results: {out / stem}.{{json,csv,png}}\n")
 
     workdir = Path(tempfile.mkdtemp(prefix="slow_network_"))
     lab = Lab()
@@ -938,11 +1123,19 @@ def main(argv: list[str] | None = None) -> int:
                 endpoints = configure_link(lab, link, args, stage_eps, delay_eps)
                 before = lab.counters(endpoints)
             load_before = os.getloadavg()[0]
+            relayed = link is not None and link.delay_ms is not None
+            relay_cpu0 = (lab.relay_stats() or {}).get("cpu_s") if relayed else None
             print(f"[{i + 1}/{len(plan)}] {name:<14} {variant.label:<24} ...", end=" ", flush=True)
             raw = runner.run(key, cfg, endpoints, timeout)
             counters = Lab.delta(before, lab.counters(endpoints)) if before is not None else None
             row = summarize(raw, mode, link, variant, counters)
-            row["relay"] = relay_summary(lab.relay_stats()) if link is not None and link.delay_ms is not None else None
+            row["relay"] = relay_summary(lab.relay_stats()) if relayed else None
+            if row["relay"] and relay_cpu0 is not None and raw["wall_seconds"] > 0:
+                # the relay is this benchmark's own process (it carries the links), not a disturbance: its CPU time
+                # during the run is taken out of "other" and reported on its own
+                row["relay_cores"] = max(0.0, row["relay"]["cpu_s"] - relay_cpu0) / raw["wall_seconds"]
+                row["other_cores_with_relay"] = row["other_cores"]
+                row["other_cores"] = max(0.0, row["other_cores"] - row["relay_cores"])
             row["load_before"], row["load_after"] = load_before, os.getloadavg()[0]
             rows.append(row)
             if row["error"]:
@@ -961,6 +1154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_comparisons(rows)
     targets = evaluate_targets(rows)
+    ranking = first_to_target(rows)
     print("\nlinks as measured before their runs (configured rate and delay against what a ping and a TCP transfer "
           "saw):")
     print_link_checks(checks)
@@ -982,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['link']:<16} {r['variant']:<24} {shaped}; smallest message "
               f"{r['min_message_bytes'] / 1024:6.1f} KiB; veth/strategy per rank {ratios}{floor}")
     print("\nbytes per step and boundary from the strategy's logged clapping/b{m}_fwd_bytes / _bwd_bytes (mean over "
-          f"steps, MiB; fp32 payload {fp32_message_bytes(mode) / MiB:.3f} MiB):")
+          "the steps they describe: all but the last, as they are logged a step late; MiB; fp32 payload "
+          f"{fp32_message_bytes(mode) / MiB:.3f} MiB):")
     for r in (r for r in rows if not r["error"] and r["link"] == (mode.links[0].label if mode.links else None)):
         pairs = "  ".join(f"b{m} {f / MiB:.3f}/{b / MiB:.3f}" for m, (f, b) in
                           enumerate(zip(r["fwd_bytes_per_boundary"], r["bwd_bytes_per_boundary"])) if f and b)
@@ -991,6 +1186,12 @@ def main(argv: list[str] | None = None) -> int:
                                                              "the code path):")
     for t in targets:
         print(f"  {t['verdict']:<8} {t['target']} (measured {_fmt(t['value'], '.2f')})")
+    print("\nfirst to the target (uncompressed's final val loss on the link), per link:")
+    for link, order in ranking.items():
+        reached = [f"{e['variant']} {e['time_to_target_s']:.1f} s" for e in order if e["time_to_target_s"] is not None]
+        missed = [e["variant"] for e in order if e["time_to_target_s"] is None]
+        print(f"  {link}: {', then '.join(reached) or 'nobody'}" + (f"; not reached: {', '.join(missed)}"
+                                                                      if missed else ""))
     for r in rows:
         if r["kind"] == "clapping-fu" and not r["error"]:
             ttt = (f"time-to-target {r['ttt_speedup']:.2f}x shorter" if r.get("ttt_speedup")
@@ -1007,19 +1208,19 @@ def main(argv: list[str] | None = None) -> int:
     info["load_average_at_end"] = list(os.getloadavg())
     info["total_wall_seconds"] = time.monotonic() - t_all
     out.mkdir(parents=True, exist_ok=True)
-    (out / "slow_network.json").write_text(json.dumps(
-        {"machine": info, "settings": settings, "links": checks, "runs": rows, "targets": targets}, indent=1,
-        default=str))
-    with open(out / "slow_network.csv", "w", newline="") as f:
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"machine": info, "settings": settings, "links": checks, "runs": rows, "targets": targets,
+         "first_to_target": ranking}, indent=1, default=str))
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     try:
-        plot(rows, mode.links, settings["shaping"], out / "slow_network.png")
-        plotted = f" and {out / 'slow_network.png'}"
+        plot(rows, mode.links, settings["shaping"], out / f"{stem}.png")
+        plotted = f" and {out / f'{stem}.png'}"
     except ImportError:
         plotted = " (no plot: matplotlib is not installed)"
-    print(f"\nwrote {out / 'slow_network.json'}, {out / 'slow_network.csv'}{plotted} "
+    print(f"\nwrote {out / f'{stem}.json'}, {out / f'{stem}.csv'}{plotted} "
           f"({info['total_wall_seconds']:.0f} s in all)")
     return 1 if any(r["error"] for r in rows) else 0
 

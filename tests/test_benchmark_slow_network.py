@@ -82,15 +82,28 @@ def tiny_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_delayed_run(tmp_path_factory):
     _needs_the_benchmark(delayed=True)
-    return _launch(tmp_path_factory.mktemp("slow_network_delay"), "--tiny", "--delay-ms", "10")
+    # the baselines already ran in tiny_run: here the flags that leave them out
+    return _launch(tmp_path_factory.mktemp("slow_network_delay"), "--tiny", "--delay-ms", "10", "--no-direct",
+                   "--no-aqsgd")
+
+
+def _has_autotune() -> bool:
+    import slow_network
+
+    return slow_network.strategy_accepts("autotune")
 
 
 def test_tiny_mode_runs_every_setting_and_writes_its_results(tiny_run):
     proc, out, _ = tiny_run
     assert proc.returncode == 0, proc.stdout_text[-4000:] + proc.stderr_text[-4000:]
     data = json.loads((out / "slow_network.json").read_text())
-    runs = {(r["link"], r["kind"]): r for r in data["runs"]}
-    assert set(runs) == {("loopback", "uncompressed"), ("100 Mbit/s", "uncompressed"), ("100 Mbit/s", "clapping-fc")}
+    runs = {(r["link"], r["variant"]): r for r in data["runs"]}
+    expected = {("loopback", "uncompressed"), ("100 Mbit/s", "uncompressed"), ("100 Mbit/s", "direct"),
+                ("100 Mbit/s", "aqsgd"), ("100 Mbit/s", "clapping-fc p=0.5")}
+    if _has_autotune():
+        expected.add(("100 Mbit/s", "auto p=0.5"))
+    assert set(runs) == expected
+    assert runs[("100 Mbit/s", "direct")]["kind"] == "direct" and runs[("100 Mbit/s", "aqsgd")]["kind"] == "aqsgd"
     for r in runs.values():
         assert r["error"] is None
         assert r["steps"] == data["settings"]["steps"] and r["median_step_s"] > 0
@@ -99,7 +112,7 @@ def test_tiny_mode_runs_every_setting_and_writes_its_results(tiny_run):
     assert (out / "slow_network.png").stat().st_size > 0
     # the targets, recomputed from the runs (their values mean little at this size, but the arithmetic must hold)
     loop, unc = runs[("loopback", "uncompressed")], runs[("100 Mbit/s", "uncompressed")]
-    fc = runs[("100 Mbit/s", "clapping-fc")]
+    fc = runs[("100 Mbit/s", "clapping-fc p=0.5")]
     targets = {t["target"]: t for t in data["targets"]}
     step = targets.pop("100 Mbit/s: clapping-fc step time <= 1.15x loopback step time")
     assert step["value"] == pytest.approx(fc["median_step_s"] / loop["median_step_s"])
@@ -113,8 +126,17 @@ def test_tiny_mode_runs_every_setting_and_writes_its_results(tiny_run):
     else:
         assert ttt["value"] == pytest.approx(unc_time / fc_time)
         assert ttt["verdict"] == ("MET" if ttt["value"] >= 2.0 else "NOT MET")
-    # and 25 Mbit/s, a link the tiny mode does not have
+    for key in [k for k in targets if k.startswith("100 Mbit/s: auto")]:  # the auto row: judged like clapping-fc
+        targets.pop(key)
+    # no delay: no delay-floor target; and 25 Mbit/s, a link the tiny mode does not have
     assert [(t["value"], t["verdict"].split(" (")[0]) for t in targets.values()] == [(None, "not measured")]
+    # every shaped run is in the link's order to the target, those that reached it first
+    order = data["first_to_target"]["100 Mbit/s"]
+    assert {e["variant"] for e in order} == {v for link, v in expected if link == "100 Mbit/s"}
+    reached = [e["time_to_target_s"] for e in order if e["time_to_target_s"] is not None]
+    assert reached == sorted(reached) and order[0]["time_to_target_s"] is not None  # uncompressed reaches its own
+    assert [e["time_to_target_s"] is None for e in order] == sorted(e["time_to_target_s"] is None for e in order)
+    assert "first to the target" in proc.stdout_text
 
 
 def test_tiny_mode_counts_bytes_on_the_wire_and_at_the_strategy(tiny_run):
@@ -122,12 +144,27 @@ def test_tiny_mode_counts_bytes_on_the_wire_and_at_the_strategy(tiny_run):
     assert proc.returncode == 0, proc.stderr_text[-4000:]
     data = json.loads((out / "slow_network.json").read_text())
     fp32 = data["settings"]["fp32_message_bytes"]
+    steps = data["settings"]["steps"]
     for r in data["runs"]:
+        totals = r["byte_totals"]
+        # the strategy's exact totals cover every step; the per-step series holds each step's own numbers (the
+        # strategy logs them a step late: re-aligned), so the last step's are only in the totals
+        assert totals["steps"] == steps and r["bytes_per_step"] == pytest.approx(totals["bytes"] / steps)
+        series = r["bytes_per_step_series"]
+        assert r["metrics_lag"] == 1 and series[-1] is None and None not in series[:-1]
+        assert sum(series[:-1]) < totals["bytes"]
         if r["kind"] == "uncompressed":
             assert r["bytes_per_step"] >= 2 * fp32  # one boundary, both directions, fp32 plus headers
+            assert min(series[:-1]) >= 2 * fp32
+            assert r["distinct_samples"] == steps * data["settings"]["batch"]
+        elif r["kind"] == "aqsgd":
+            # every sample is new in 3 steps: activations go in full (first visits), only gradients are compressed
+            assert all(2 * fp32 > b > fp32 for b in series[:-1])
+        elif r["kind"] == "direct":
+            assert all(b < r["fp32_bytes_per_step"] / 3 for b in series[:-1])  # q4 forward, q8 backward throughout
         else:
-            # q4 forward, q8 backward (the median: the first step is sent in full precision, a warm start)
-            assert r["median_bytes_per_step"] < r["fp32_bytes_per_step"] / 3
+            # q4 forward, q8 backward, after the first step (the warm start sends it in full precision)
+            assert series[0] > fp32 and all(b < r["fp32_bytes_per_step"] / 3 for b in series[1:-1])
         if r["rate_mbit"] is not None:
             # what left the shaped veths covers at least what the strategy says it sent, and tbf did shape it
             assert r["veth_over_strategy"] >= 1.0
@@ -175,12 +212,92 @@ def test_a_malformed_codec_pair_is_refused_with_the_expected_form():
 
     import argparse
 
-    args = argparse.Namespace(forward_codec="q4", backward_codec="q8", p=0.5, fu_p=[0.5], tiny=False, fc_extra=["q4"])
+    args = argparse.Namespace(forward_codec="q4", backward_codec="q8", p=0.5, fu_p=[0.5], tiny=False, fc_extra=["q4"],
+                              no_direct=True, no_aqsgd=True, no_auto=True)
     with pytest.raises(SystemExit, match="FORWARD/BACKWARD"):
         slow_network.make_variants(args)
     args.fc_extra = ["q4/q4"]
     labels = [v.label for v in slow_network.make_variants(args)]
     assert labels == ["uncompressed", "clapping-fc p=0.5", "clapping-fc p=0.5 q4/q4", "clapping-fu p=0.5"]
+
+
+def _variant_args(**kw):
+    base = dict(forward_codec="q4", backward_codec="q8", p=0.5, fu_p=[0.5, 0.2], tiny=False, fc_extra=["q4/q4"],
+                no_direct=False, no_aqsgd=False, no_auto=False, no_loopback_fc=False)
+    return argparse.Namespace(**dict(base, **kw))
+
+
+def test_the_baselines_run_with_clappings_codecs_and_no_lazy_sampling_and_each_can_be_left_out():
+    import slow_network
+
+    variants = {v.label: v for v in slow_network.make_variants(_variant_args())}
+    direct, aq = variants["direct"], variants["aqsgd"]
+    assert (direct.variant, direct.p, direct.forward_codec, direct.backward_codec) == ("direct", 1.0, "q4", "q8")
+    assert (aq.variant, aq.p, aq.forward_codec, aq.backward_codec) == ("aqsgd", 1.0, "q4", "q8")
+    # AQ-SGD needs the sample ids that LazySamplingDataModule(p=1) reports; nothing else gets wrapped at p = 1
+    assert aq.sample_ids and not direct.sample_ids and not variants["uncompressed"].sample_ids
+    assert list(variants)[:4] == ["uncompressed", "direct", "aqsgd", "clapping-fc p=0.5"]
+    assert not any(v.autotune for label, v in variants.items() if label != "auto p=0.5")
+    left = [v.label for v in slow_network.make_variants(_variant_args(no_direct=True, no_aqsgd=True, no_auto=True))]
+    assert left == ["uncompressed", "clapping-fc p=0.5", "clapping-fc p=0.5 q4/q4", "clapping-fu p=0.5",
+                    "clapping-fu p=0.2"]
+    tiny = [v.label for v in slow_network.make_variants(_variant_args(tiny=True, no_auto=True))]
+    assert tiny == ["uncompressed", "direct", "aqsgd", "clapping-fc p=0.5"]
+    # loopback: uncompressed and the main clapping-fc only, whatever comes first in the list
+    loop = slow_network.loopback_variants(slow_network.make_variants(_variant_args()), _variant_args())
+    assert [v.label for v in loop] == ["uncompressed", "clapping-fc p=0.5"]
+    assert [v.label for v in slow_network.loopback_variants(slow_network.make_variants(_variant_args()),
+                                                            _variant_args(no_loopback_fc=True))] == ["uncompressed"]
+
+
+def test_the_auto_row_follows_the_strategys_autotune_parameter(monkeypatch):
+    import slow_network
+
+    monkeypatch.setattr(slow_network, "strategy_accepts", lambda name: name == "autotune")
+    variants = slow_network.make_variants(_variant_args())
+    auto = variants[-1]
+    assert (auto.label, auto.variant, auto.p, auto.autotune) == ("auto p=0.5", "clapping-fc", 0.5, True)
+    assert auto.label not in [v.label for v in slow_network.loopback_variants(variants, _variant_args())]
+    assert not any(v.autotune for v in slow_network.make_variants(_variant_args(no_auto=True)))
+    monkeypatch.setattr(slow_network, "strategy_accepts", lambda name: False)
+    assert not any(v.autotune for v in slow_network.make_variants(_variant_args()))
+
+
+def test_byte_numbers_logged_a_step_late_are_put_back_on_their_own_step():
+    import slow_network
+
+    # as the recorder reads trainer.callback_metrics at the end of each step: the strategy's values of step t - 1
+    recorded = [{"step": 1, "seconds": 0.5, "tx": 10, "train_loss": 3.0},
+                {"step": 2, "seconds": 0.4, "tx": 11, "train_loss": 2.9, "clapping/bytes": 900.0,
+                 "clapping/b0_fwd_bytes": 500.0},
+                {"step": 3, "seconds": 0.3, "tx": 12, "train_loss": 2.8, "clapping/bytes": 200.0,
+                 "clapping/b0_fwd_bytes": 100.0}]
+    assert slow_network.metrics_lag(recorded) == 1
+    aligned = slow_network.align_step_metrics(recorded, 1)
+    assert [s.get("clapping/bytes") for s in aligned] == [900.0, 200.0, None]
+    assert [s.get("clapping/b0_fwd_bytes") for s in aligned] == [500.0, 100.0, None]
+    # what is the step's own stays where it is
+    assert [(s["step"], s["seconds"], s["tx"], s["train_loss"]) for s in aligned] == [
+        (s["step"], s["seconds"], s["tx"], s["train_loss"]) for s in recorded]
+    # a strategy that logs every step's own numbers: nothing moves
+    same_step = [dict(s, **{"clapping/bytes": 1.0}) for s in recorded]
+    assert slow_network.metrics_lag(same_step) == 0
+    assert slow_network.align_step_metrics(same_step, 0) == same_step
+    assert slow_network.metrics_lag([]) == 0 and slow_network.metrics_lag(recorded[:1]) == 0
+
+
+def test_results_of_quick_or_delayed_runs_do_not_overwrite_the_full_runs_files():
+    import slow_network
+
+    def stem(mode_name, links, given=None):
+        mode = slow_network.Mode(mode_name, links=[slow_network.parse_link(x) for x in links])
+        return slow_network.output_stem(mode, argparse.Namespace(stem=given))
+
+    assert stem("full", ["100", "25"]) == "slow_network"
+    assert stem("quick", ["100", "25"]) == "slow_network_quick"
+    assert stem("quick", ["100@0", "100@25", "25@25"]) == "slow_network_delay_quick"
+    assert stem("full", ["100", "25@25"]) == "slow_network_delay"
+    assert stem("quick", ["100@25"], given="mine") == "mine"
 
 
 # ------------------------------------------------------------------------------------------------ links with delay
@@ -236,6 +353,75 @@ def test_every_delayed_link_is_judged_on_its_own():
     assert delayed["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 3 * 0.025)
     assert delayed["x_delay_floor"] == pytest.approx(0.5 / 0.35)
     assert rows[1]["delay_floor_step_s"] == pytest.approx(0.2)  # no delay: the floor is the loopback step
+    # the physical-limit target on the delayed 100 Mbit/s link, and uncompressed's distance from it, reported only
+    floor = "100 Mbit/s 25 ms: clapping-fc step time <= 1.25x the delay floor (loopback step + 2 x (stages - 1) x " \
+            "one-way delay)"
+    assert verdicts[floor] == ("NOT MET", pytest.approx(0.5 / 0.35))
+    assert verdicts["100 Mbit/s 25 ms: uncompressed step time / delay floor"] == ("reported (not a target)",
+                                                                                 pytest.approx(1.2 / 0.35))
+    # not on the link without delay (there the 1.15x loopback target says it all)
+    assert not [t for t in verdicts if t.startswith("100 Mbit/s 0 ms") and "delay floor" in t]
+
+
+def _delayed_rows(fc_step, extra=()):
+    rows = [_row("loopback", "uncompressed", "uncompressed", 0.2, [3.0, 2.0]),
+            _row("100 Mbit/s 25 ms", "uncompressed", "uncompressed", 1.2, [3.0, 2.0], 100.0),
+            _row("100 Mbit/s 25 ms", "clapping-fc p=0.5", "clapping-fc", fc_step, [3.0, 2.0], 100.0), *extra,
+            _row("25 Mbit/s 25 ms", "uncompressed", "uncompressed", 2.4, [3.0, 2.0], 25.0),
+            _row("25 Mbit/s 25 ms", "clapping-fc p=0.5", "clapping-fc", 0.5, [3.0, 2.0], 25.0)]
+    for r in rows:
+        r["delay_ms"] = None if r["rate_mbit"] is None else 25.0
+        r["per_rank"] = [{}] * 4
+    return rows
+
+
+def test_the_delay_floor_target_holds_up_to_125_percent_of_the_floor_on_delayed_100_mbit_links():
+    import slow_network
+
+    # floor: 0.2 s loopback + 2 x 3 x 25 ms = 0.35 s; 1.25 x 0.35 = 0.4375 s
+    def floor_verdicts(fc_step, extra=()):
+        rows = _delayed_rows(fc_step, extra)
+        slow_network.add_comparisons(rows)
+        return {t["target"]: (t["verdict"], t["value"], t["bound"]) for t in slow_network.evaluate_targets(rows)
+                if "delay floor" in t["target"]}
+
+    key = ("100 Mbit/s 25 ms: clapping-fc step time <= 1.25x the delay floor (loopback step + 2 x (stages - 1) x "
+           "one-way delay)")
+    assert floor_verdicts(0.43)[key] == ("MET", pytest.approx(0.43 / 0.35), 1.25)
+    assert floor_verdicts(0.4375)[key][0] == "MET"
+    assert floor_verdicts(0.44)[key] == ("NOT MET", pytest.approx(0.44 / 0.35), 1.25)
+    # judged on 100 Mbit/s links only: 25 Mbit/s has its time-to-target target
+    assert [k for k in floor_verdicts(0.43) if k.startswith("25 Mbit/s")] == []
+    # every further clapping-fc row of the link (codec pairs, auto) is judged too; other baselines only in the table
+    auto = _row("100 Mbit/s 25 ms", "auto p=0.5", "clapping-fc", 0.42, [3.0, 2.0], 100.0)
+    direct = _row("100 Mbit/s 25 ms", "direct", "direct", 0.41, [3.0, 2.0], 100.0)
+    verdicts = floor_verdicts(0.5, (auto, direct))
+    assert verdicts[key.replace("clapping-fc", "auto p=0.5")] == ("MET", pytest.approx(0.42 / 0.35), 1.25)
+    assert verdicts[key][0] == "NOT MET"
+    assert not [k for k in verdicts if "direct" in k]
+    assert direct["x_delay_floor"] == pytest.approx(0.41 / 0.35)
+    # a failed clapping-fc run: not measured, not met
+    rows = _delayed_rows(0.43)
+    rows[2]["error"] = "rank 1 exited with 1"
+    slow_network.add_comparisons(rows)
+    verdict = next(t["verdict"] for t in slow_network.evaluate_targets(rows) if t["target"] == key)
+    assert verdict.startswith("not measured")
+
+
+def test_each_link_lists_its_variants_by_time_to_target():
+    import slow_network
+
+    # target on 100 Mbit/s 25 ms: uncompressed's final 2.0, reached at step 20 after 24 s
+    direct = _row("100 Mbit/s 25 ms", "direct", "direct", 0.5, [2.5, 1.9], 100.0)  # step 20: 20 s
+    aq = _row("100 Mbit/s 25 ms", "aqsgd", "aqsgd", 1.0, [2.5, 2.2], 100.0)  # not reached, ends at 2.2
+    fu = _row("100 Mbit/s 25 ms", "clapping-fu p=0.5", "clapping-fu", 0.6, [3.0, 2.1], 100.0)  # not reached, 2.1
+    rows = _delayed_rows(0.4, (direct, aq, fu))  # clapping-fc: 0.4 s x 20 steps = 8 s
+    slow_network.add_comparisons(rows)
+    order = slow_network.first_to_target(rows)
+    assert list(order) == ["100 Mbit/s 25 ms", "25 Mbit/s 25 ms"]
+    assert [(e["variant"], e["time_to_target_s"]) for e in order["100 Mbit/s 25 ms"]] == [
+        ("clapping-fc p=0.5", pytest.approx(8.0)), ("direct", pytest.approx(10.0)),
+        ("uncompressed", pytest.approx(24.0)), ("clapping-fu p=0.5", None), ("aqsgd", None)]
 
 
 def test_a_link_check_that_cannot_measure_says_so_instead_of_stopping_the_benchmark():
@@ -281,12 +467,16 @@ def test_tiny_mode_runs_over_a_delayed_link(tiny_delayed_run):
     proc, out, left = tiny_delayed_run
     assert proc.returncode == 0, proc.stdout_text[-4000:] + proc.stderr_text[-4000:]
     assert not left, f"left behind: {sorted(left)}"
-    data = json.loads((out / "slow_network.json").read_text())
+    assert not (out / "slow_network.json").exists()  # a delayed run has its own files
+    data = json.loads((out / "slow_network_delay.json").read_text())
     [check] = data["links"]
     assert check["link"] == "100 Mbit/s 10 ms" and check["verdict"] == "ok", check["problems"]
-    runs = {(r["link"], r["kind"]): r for r in data["runs"]}
-    assert set(runs) == {("loopback", "uncompressed"), ("100 Mbit/s 10 ms", "uncompressed"),
-                         ("100 Mbit/s 10 ms", "clapping-fc")}
+    runs = {(r["link"], r["variant"]): r for r in data["runs"]}
+    expected = {("loopback", "uncompressed"), ("100 Mbit/s 10 ms", "uncompressed"),
+                ("100 Mbit/s 10 ms", "clapping-fc p=0.5")}  # --no-direct --no-aqsgd
+    if _has_autotune():
+        expected.add(("100 Mbit/s 10 ms", "auto p=0.5"))
+    assert set(runs) == expected
     for r in (r for r in data["runs"] if r["link"] != "loopback"):
         assert r["error"] is None and r["link_kind"] == "tun+relay" and r["delay_ms"] == 10.0
         # the ranks' traffic really crossed the relay (the link check above shows that it delays)
@@ -296,3 +486,13 @@ def test_tiny_mode_runs_over_a_delayed_link(tiny_delayed_run):
         loop = runs[("loopback", "uncompressed")]["median_step_s"]
         assert r["delay_floor_step_s"] == pytest.approx(loop + 2 * (2 - 1) * 0.010)  # 2 stages, 10 ms
     assert "links as measured before their runs" in proc.stdout_text
+    targets = {t["target"]: t for t in data["targets"]}
+    fc = runs[("100 Mbit/s 10 ms", "clapping-fc p=0.5")]
+    floor = targets["100 Mbit/s 10 ms: clapping-fc step time <= 1.25x the delay floor (loopback step + 2 x (stages "
+                    "- 1) x one-way delay)"]
+    assert floor["value"] == pytest.approx(fc["median_step_s"] / fc["delay_floor_step_s"])
+    assert floor["verdict"] == ("MET" if floor["value"] <= 1.25 else "NOT MET")
+    unc = targets["100 Mbit/s 10 ms: uncompressed step time / delay floor"]
+    assert unc["verdict"] == "reported (not a target)" and unc["value"] == pytest.approx(
+        runs[("100 Mbit/s 10 ms", "uncompressed")]["x_delay_floor"])
+    assert (out / "slow_network_delay.png").stat().st_size > 0
