@@ -41,3 +41,36 @@ def has_minilm() -> bool:
     except ImportError:
         return False
     return True
+
+
+def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) -> tuple[list, list]:
+    """Spawn ``world`` processes running ``worker(rank, port, queue)`` (a free loopback port for their process
+    group) and collect ``expected`` items from the queue; stops early when every rank has ended. Returns the items
+    and the ranks' exit codes (a rank still running after 30 s is killed: None)."""
+    import queue
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    items, deadline = [], time.monotonic() + timeout
+    while len(items) < expected and time.monotonic() < deadline:
+        try:
+            items.append(out.get(timeout=1))
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):  # a rank failed: do not wait for what will never come
+                break
+    for p in procs:
+        p.join(timeout=30)
+        if p.exitcode is None:
+            p.kill()
+    return items, [p.exitcode for p in procs]
+

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_clapping.autotune import (
     DEFAULT_CANDIDATES,
@@ -37,6 +34,7 @@ from lightning_clapping.autotune import (
     probe_link,
     probe_plan,
 )
+from conftest import run_gloo_ranks
 from lightning_clapping.channel import message_nbytes
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.feedback import MessageRule
@@ -254,27 +252,9 @@ def _worker(rank: int, port: int, out) -> None:
 @pytest.fixture(scope="module")
 def loopback():
     """What two gloo ranks on loopback reported: {(kind, rank): value}, plus their exit codes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + 120
-    while len(results) < 10 and time.monotonic() < deadline:
-        try:
-            kind, rank, value = out.get(timeout=1)
-            results[(kind, rank)] = value
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):  # a rank failed: do not wait for what will never come
-                break
-    for p in procs:
-        p.join(timeout=30)
-        if p.exitcode is None:
-            p.kill()
-    results["exitcodes"] = [p.exitcode for p in procs]
+    items, exitcodes = run_gloo_ranks(_worker, expected=10)
+    results: dict = {(kind, rank): value for kind, rank, value in items}
+    results["exitcodes"] = exitcodes
     return results
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import queue
-import socket
 import struct
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import run_gloo_ranks
 from lightning_clapping.channel import (
     HEADER_BYTES,
     KIND_RESIZE,
@@ -99,26 +97,9 @@ def _forged_resizes(rank, out):
 @pytest.fixture(scope="module")
 def two_ranks():
     """What two gloo ranks running :func:`_worker` reported (keys "sent", "got", "forged"), and their exit codes."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(3):
-            r = out.get(timeout=60)
-            results[r[0]] = r[1:]
-    except queue.Empty:
-        pass
-    for p in procs:
-        p.join(timeout=30)
-        if p.exitcode is None:
-            p.kill()
-    results["exitcodes"] = [p.exitcode for p in procs]
+    items, exitcodes = run_gloo_ranks(_worker, expected=3)
+    results: dict = {r[0]: r[1:] for r in items}
+    results["exitcodes"] = exitcodes
     return results
 
 
