@@ -285,7 +285,7 @@ class ClappingStrategy(ParallelStrategy):
     @property
     def stage(self) -> int:
         """This rank's stage. The last stage runs on global rank 0 (see the module docstring)."""
-        return self.num_stages - 1 - self.global_rank
+        return self.stage_of_rank(self.global_rank)
 
     def rank_of_stage(self, stage: int) -> int:
         return self.num_stages - 1 - stage
