@@ -130,3 +130,27 @@ __all__ += [
     "set_train_epoch_length",
     "train_batches_ready",
 ]
+
+
+def should_accumulate(trainer) -> bool:
+    """Whether this training step only accumulates gradients (the fit loop's private ``_should_accumulate``)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def sigterm_without_collectives(trainer) -> list[tuple[object, str, object]]:
+    """(object, attribute, value) patches that keep Lightning's SIGTERM handling from running collectives.
+
+    With ``trainer.world_size > 1`` Lightning broadcasts its SIGTERM flag from rank 0 at every training step and from
+    its signal handler (private ``_broadcast_sigterm_tensor`` and ``_sigterm_notifier_fn``): a world-wide collective
+    per step, and one that a stage blocked in a pipeline transfer would never join. Each process of a preempted run
+    gets the signal from the launcher or the scheduler itself; what stays is what Lightning does for one process.
+    """
+    connector = trainer._signal_connector
+
+    def notifier(signum, frame) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    return [(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", lambda: None),
+            (connector, "_sigterm_notifier_fn", notifier)]

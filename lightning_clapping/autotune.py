@@ -716,13 +716,16 @@ def tune_pipeline(
     variant: str,
     user_codecs: Mapping[str, Any],
     timeout: timedelta | None = None,
+    group: Group = None,
+    src: int = 0,
 ) -> tuple[dict[int, Choice], dict[int, LinkMeasure]]:
     """What one pipeline rank does to autotune, between two steps (every rank at once): probe its boundaries with
     their real uncompressed message size, then :func:`agree` on the choices.
 
     ``sent_specs``: what this rank sent in the last step, by the executor's rule name (``"fwd_out"``: boundary
     ``stage``, ``"bwd_out"``: boundary ``stage - 1``); ``user_codecs``: the top of each direction's ladder
-    (``{"fwd": "q4", "bwd": "q8"}``, None: the default ladder).
+    (``{"fwd": "q4", "bwd": "q8"}``, None: the default ladder); ``group``: the ranks of this pipeline, and
+    ``src`` the one (a global rank) that decides.
     """
     shapes: dict[int, dict[str, Sequence[TensorSpec]]] = {}
     if "fwd_out" in sent_specs:
@@ -734,5 +737,6 @@ def tune_pipeline(
                    if "fwd_out" in sent_specs else 0}
     measures = probe_boundaries(stage, num_stages, rank_of_stage, probe_bytes, timeout=timeout)
     candidates = {d: ladder(d, user_codecs.get(d)) for d in DIRECTIONS}
-    return agree(stage, num_stages, measures, compute_s, shapes, variant=variant, candidates=candidates)
+    return agree(stage, num_stages, measures, compute_s, shapes, variant=variant, candidates=candidates,
+                 group=group, src=src)
 

@@ -43,33 +43,36 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------- gather
-def gather_to_zero(local: Any, device: torch.device) -> list[Any] | None:
-    """Every rank's ``local`` object on rank 0 (rank order, tensors on the CPU); ``None`` on the other ranks.
+def gather_to_zero(local: Any, device: torch.device, group: Any = None) -> list[Any] | None:
+    """Every rank's ``local`` object on the lowest rank of ``group`` (default: all ranks) in rank order, tensors on
+    the CPU; ``None`` on the other ranks.
 
     Only the structure (names, shapes, dtypes, plain values) is pickled; each tensor travels as itself.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [_to_cpu(local)]
     leaves, spec = tree_flatten(local)
     tensors = [x for x in leaves if isinstance(x, Tensor)]
     outline = tree_unflatten([x.to("meta") if isinstance(x, Tensor) else x for x in leaves], spec)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    outlines: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(outline, outlines, dst=0)
-    if rank != 0:
-        works = [dist.isend(t.detach().to(device).contiguous(), dst=0, tag=i) for i, t in enumerate(tensors)]
+    ranks = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
+    rank, dst = dist.get_rank(), ranks[0]
+    outlines: list[Any] | None = [None] * len(ranks) if rank == dst else None
+    dist.gather_object(outline, outlines, dst=dst, group=group)
+    if rank != dst:
+        works = [dist.isend(t.detach().to(device).contiguous(), dst=dst, group=group, tag=i)
+                 for i, t in enumerate(tensors)]
         for w in works:
             w.wait()
         return None
     assert outlines is not None
     parts: list[Any] = [_to_cpu(local)]
-    for src in range(1, world):
-        leaves, spec = tree_flatten(outlines[src])
+    for src in ranks[1:]:
+        leaves, spec = tree_flatten(outlines[dist.get_group_rank(group or dist.group.WORLD, src)])
         received, works = [], []
         for x in leaves:
             if isinstance(x, Tensor):
                 buf = torch.empty(x.shape, dtype=x.dtype, device=device)
-                works.append(dist.irecv(buf, src=src, tag=len(works)))
+                works.append(dist.irecv(buf, src=src, group=group, tag=len(works)))
                 received.append(buf)
             else:
                 received.append(x)

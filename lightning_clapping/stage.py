@@ -117,10 +117,11 @@ class StageRunner:
             )
 
     @contextmanager
-    def settling_shared_owners(self, module: nn.Module, rank_of_stage: Callable[[int], int]):
+    def settling_shared_owners(self, module: nn.Module, rank_of_stage: Callable[[int], int], group: Any = None):
         """Run a step while recording which of the partition's shared parameters this stage's code uses, then give
         each to the one stage that used it (:meth:`Partition.settle_owner`). Every stage must take part: one
-        ``all_gather_object`` after the step."""
+        ``all_gather_object`` over ``group`` (the ranks of one pipeline: ``rank_of_stage`` gives their global
+        ranks) after the step."""
         params = dict(module.named_parameters(remove_duplicate=False))
         watched = {id(params[k]): k for k in self.partition.shared_params if k in params}
         with self.recording_uses(watched) as used:
@@ -128,10 +129,11 @@ class StageRunner:
         gathered: list[Any] = [sorted(used)]
         if self.num_stages > 1:
             gathered = [None] * self.num_stages
-            dist.all_gather_object(gathered, sorted(used))
+            dist.all_gather_object(gathered, sorted(used), group=group)
+        index = (lambda s: 0) if self.num_stages == 1 else \
+            (lambda s: dist.get_group_rank(group or dist.group.WORLD, rank_of_stage(s)))
         for key in self.partition.shared_params:
-            self.partition.settle_owner(key, [s for s in range(self.num_stages)
-                                              if key in gathered[rank_of_stage(s)]])
+            self.partition.settle_owner(key, [s for s in range(self.num_stages) if key in gathered[index(s)]])
 
     @contextmanager
     def recording_uses(self, watched: dict[int, str]):

@@ -34,10 +34,13 @@ def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[float, ...] | 
 
 
 class ByteStats:
-    """Per-step byte numbers of every stage, gathered off the critical path (see the module docstring)."""
+    """Per-step byte numbers of every stage of one pipeline replica, gathered off the critical path (see the module
+    docstring) over ``group``, the ranks of that pipeline (``rank_of_stage`` gives their global ranks)."""
 
-    def __init__(self, num_stages: int, rank_of_stage: Callable[[int], int], lazy_messages: bool) -> None:
+    def __init__(self, num_stages: int, rank_of_stage: Callable[[int], int], lazy_messages: bool,
+                 group: Any = None) -> None:
         self.num_stages = num_stages
+        self.group = group
         self.rank_of_stage = rank_of_stage
         self.lazy_messages = lazy_messages
         self._pending: tuple[Any, list[torch.Tensor], dict[str, float]] | None = None
@@ -55,7 +58,7 @@ class ByteStats:
         mine = torch.tensor(stats.as_list(), dtype=torch.float64)
         if self.num_stages > 1:
             gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
-            self._pending = (dist.all_gather(gathered, mine, async_op=True), gathered, dict(extra))
+            self._pending = (dist.all_gather(gathered, mine, group=self.group, async_op=True), gathered, dict(extra))
         else:
             self._pending = (None, [mine], dict(extra))
         return previous
@@ -69,7 +72,9 @@ class ByteStats:
         self._pending = None
         if work is not None:
             work.wait()
-        per_stage = [StepStats.from_list(gathered[self.rank_of_stage(s)].tolist()) for s in range(self.num_stages)]
+        index = (lambda s: 0) if self.num_stages == 1 else \
+            (lambda s: dist.get_group_rank(self.group or dist.group.WORLD, self.rank_of_stage(s)))
+        per_stage = [StepStats.from_list(gathered[index(s)].tolist()) for s in range(self.num_stages)]
         values = self._values(per_stage)
         self.totals["bytes"] += values["clapping/bytes"]
         self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)

@@ -1,6 +1,7 @@
 """``ClappingStrategy``: the Lightning side of the pipeline.
 
-One process per stage. Every process runs the user's script and keeps only its own stage's tensors: a model built
+One process per stage of each data-parallel replica of the pipeline (:mod:`lightning_clapping.replicas`). Every
+process runs the user's script and keeps only its own stage's tensors: a model built
 eagerly is cut after it was built (the other stages move to the meta device); one built in ``configure_model()`` or
 under ``trainer.init_module(empty_init=True)`` is built on the meta device and each rank materializes only its
 stage (:mod:`lightning_clapping.materialize`). Each training step splits the batch into
@@ -9,7 +10,8 @@ hands Lightning a finished set of gradients: Lightning's own ``zero_grad`` and `
 that still fire the user's hooks, and the optimizer step, schedulers, gradient clipping (by the norm of the *whole*
 model) and accumulation run as usual.
 
-The last stage runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics
+With several replicas, each stage's gradients are averaged over its replicas before the optimizer step.
+The last stage of replica 0 runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics
 first-hand; the other ranks get the same values through :mod:`lightning_clapping.log_relay`.
 """
 
@@ -41,6 +43,7 @@ from torch import Tensor
 from lightning_clapping import _compat
 from lightning_clapping import checkpoint as ckpt
 from lightning_clapping import autotune, failures, liveness
+from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
@@ -49,6 +52,7 @@ from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.materialize import materialize
 from lightning_clapping.microbatch import merge_outputs, split_batch
 from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
+from lightning_clapping.replicas import GradientAverager, Topology, build_mesh
 from lightning_clapping.schedule import SCHEDULES
 from lightning_clapping.stage import StageRunner
 from lightning_clapping.step_results import ByteStats, pack_results, unpack_results
@@ -63,12 +67,17 @@ _SPAWN_REFUSED = (
 
 
 class ClappingStrategy(ParallelStrategy):
-    """Pipeline-parallel training: the model is cut into stages, one per process.
+    """Pipeline-parallel training: the model is cut into stages, one per process, and optionally replicated for
+    data parallelism (``devices * num_nodes = stages * replicas``).
 
     Args:
         split_points: names of the submodules that start stages 1, 2, ... (``len(split_points) + 1`` stages, which
-            must equal ``devices * num_nodes``). ``None`` balances the model's blocks by parameter count over all
-            processes and prints the stage table.
+            must divide ``devices * num_nodes``: the quotient is the number of data-parallel replicas). ``None``
+            balances the model's blocks by parameter count over ``stages`` stages and prints the stage table.
+        stages: the number of pipeline stages when ``split_points`` is ``None`` (default: one stage per process, a
+            single replica). ``devices * num_nodes / stages`` replicas each train on their own share of the data
+            (Lightning's ``DistributedSampler``, or the lazy sampler's own sharding), and every stage's gradients
+            are averaged over its replicas before the optimizer step, as under DDP.
         microbatches: micro-batches per batch. A batch smaller than this (the last one of an epoch) is split into
             as many micro-batches as it has samples.
         schedule: ``"1f1b"`` (default: activation memory bounded by the pipeline depth) or ``"gpipe"``.
@@ -126,6 +135,7 @@ class ClappingStrategy(ParallelStrategy):
     def __init__(
         self,
         split_points: list[str] | None = None,
+        stages: int | None = None,
         microbatches: int = 4,
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         variant: str = "uncompressed",
@@ -175,6 +185,15 @@ class ClappingStrategy(ParallelStrategy):
             if not split_points:
                 raise ValueError("split_points=[] makes one stage; give the names of the modules that start stages "
                                  "1, 2, ... or None to balance the model automatically")
+        if stages is not None and (not isinstance(stages, int) or isinstance(stages, bool) or stages < 1):
+            raise ValueError(f"stages must be a positive integer (pipeline stages per replica) or None, got {stages!r}")
+        if stages is not None and split_points is not None and len(split_points) + 1 != stages:
+            raise ValueError(
+                f"stages={stages} disagrees with split_points={split_points}, which cut the model into "
+                f"{len(split_points) + 1} stages: give split_points with {stages - 1} names, or drop stages= (the "
+                "split points set the number of stages)"
+            )
+        self._stages_arg = stages
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
@@ -228,7 +247,10 @@ class ClappingStrategy(ParallelStrategy):
         self._relay: LogRelay | None = None
         self._full_state: dict[str, Tensor] | None = None
         self._patched: list[tuple[Any, str, bool, Any]] = []
-        self._stage_groups: list[Any] | None = None
+        self._mesh: Any = None
+        self._pp_group: Any = None  # this replica's stages
+        self._dp_group: Any = None  # this stage's replicas
+        self._averager: GradientAverager | None = None
         self._checked_batch = False
         self._byte_stats: ByteStats | None = None
         self._local_logs: list[Any] | None = None
@@ -258,18 +280,35 @@ class ClappingStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def num_stages(self) -> int:
-        """Pipeline stages, one process each (all the processes of the run)."""
+    def num_ranks(self) -> int:
+        """All the processes of the run: ``num_stages * num_replicas``."""
         return self.num_nodes * self.num_processes
 
     @property
+    def num_stages(self) -> int:
+        """Pipeline stages per replica, one process each."""
+        if self.split_points is not None:
+            return len(self.split_points) + 1
+        return self._stages_arg if self._stages_arg is not None else self.num_ranks
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel replicas of the pipeline."""
+        return max(1, self.num_ranks // self.num_stages)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.num_stages, self.num_replicas, max(1, self.num_processes))
+
+    @property
     def world_size(self) -> int:
-        """Data-parallel replicas of the pipeline: 1. This is ``trainer.world_size``, what code that divides a global
-        batch size by the number of model replicas reads, as under DDP (every stage sees the same whole batch). The
-        number of processes is :attr:`num_stages`. It also keeps Lightning from broadcasting its SIGTERM flag every
-        step and from a signal handler (a collective that a stage blocked in a pipeline transfer never joins): a
-        preempted run's processes each get the signal from the launcher or the scheduler and stop."""
-        return 1
+        """Data-parallel replicas of the pipeline. This is ``trainer.world_size``, what code that divides a global
+        batch size by the number of model replicas reads, as under DDP (every stage of a replica sees the same whole
+        batch). The number of processes is :attr:`num_ranks`. Lightning's per-step broadcast of its SIGTERM flag
+        (and the one from its signal handler: a collective that a stage blocked in a pipeline transfer never joins)
+        is turned off in :meth:`setup`: a preempted run's processes each get the signal from the launcher or the
+        scheduler and stop."""
+        return self.num_replicas
 
     @property
     def byte_totals(self) -> dict[str, float]:
@@ -284,20 +323,26 @@ class ClappingStrategy(ParallelStrategy):
 
     @property
     def stage(self) -> int:
-        """This rank's stage. The last stage runs on global rank 0 (see the module docstring)."""
+        """This rank's stage. The last stage of replica 0 runs on global rank 0 (see the module docstring)."""
         return self.stage_of_rank(self.global_rank)
 
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.topology.replica_of(self.global_rank)
+
     def rank_of_stage(self, stage: int) -> int:
-        return self.num_stages - 1 - stage
+        """The global rank of ``stage`` in this rank's replica."""
+        return self.topology.rank(self.replica, stage)
 
     def stage_of_rank(self, rank: int) -> int:
-        return self.num_stages - 1 - rank
+        return self.topology.stage_of(rank)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of the pipeline must see the same batch (setup() also stops Lightning from injecting a
-        # sampler at all: with one pipeline replica the data must come in the user's own order)
-        return {"num_replicas": 1, "rank": 0}
+        # every stage of a replica sees the same batch; replicas shard the data as DDP's ranks do (with one replica,
+        # setup() stops Lightning from injecting a sampler at all: the data must come in the user's own order)
+        return {"num_replicas": self.num_replicas, "rank": self.replica}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -306,15 +351,25 @@ class ClappingStrategy(ParallelStrategy):
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            self.cluster_environment.set_world_size(self.num_ranks)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        if self.split_points is not None and self.num_processes and len(self.split_points) + 1 != self.num_stages:
+        if self.num_processes:
+            self._check_ranks()
+
+    def _check_ranks(self) -> None:
+        """The processes must hold a whole number of replicas, laid out alike on the nodes."""
+        ranks, stages = self.num_ranks, self.num_stages
+        given = (f"split_points={self.split_points} cut the model into {stages} stages" if self.split_points is not None
+                 else f"stages={stages}")
+        if ranks % stages:
+            fits = [d for d in range(1, ranks + 1) if ranks % d == 0]
             raise ValueError(
-                f"split_points={self.split_points} cut the model into {len(self.split_points) + 1} stages, but the "
-                f"Trainer starts {self.num_stages} processes (devices={self.num_processes}, num_nodes={self.num_nodes})."
-                f" ClappingStrategy runs one stage per process: set devices={len(self.split_points) + 1} (x num_nodes) "
-                f"or give {self.num_stages - 1} split points."
+                f"{given}, but the Trainer starts {ranks} processes (devices={self.num_processes}, num_nodes="
+                f"{self.num_nodes}), which is not a whole number of pipeline replicas of {stages} stages. "
+                f"devices x num_nodes must be stages x replicas: use a number of stages among {fits}, or "
+                f"devices={stages} (x num_nodes) for one replica."
             )
+        self.topology.check()
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -328,12 +383,15 @@ class ClappingStrategy(ParallelStrategy):
             self._process_group_backend = _compat.default_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         _compat.init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        if self._liveness is not None and self.num_stages > 1:
+        if self.num_ranks > 1:
+            self._mesh = build_mesh(self.topology, self.root_device.type)
+            self._pp_group, self._dp_group = self._mesh.get_group("pp"), self._mesh.get_group("dp")
+        if self._liveness is not None and self.num_ranks > 1:
             bound = self._liveness.total_seconds()
             # under torchrun the store lives in the elastic agent, not in rank 0's process
             elastic = type(self.cluster_environment).__name__ == "TorchElasticEnvironment"
             self._watchdog = liveness.Watchdog(
-                _compat.default_store(), self.global_rank, self.num_stages, stage_of_rank=self.stage_of_rank,
+                _compat.default_store(), self.global_rank, self.num_ranks, stage_of_rank=self.stage_of_rank,
                 interval=min(1.0, bound / 8), bound=bound, store_rank=None if elastic else 0,
             ).start()
 
@@ -379,7 +437,7 @@ class ClappingStrategy(ParallelStrategy):
         assert self.partition is not None
         if trainer.state.fn == TrainerFn.FITTING:
             rank_zero_info(f"ClappingStrategy: {self.num_stages} stages, schedule {self.schedule}, "
-                           f"{self.microbatches} micro-batches\n{self.partition.table()}")
+                           f"{self.microbatches} micro-batches\n{self.partition.table()}\n{self.topology.describe()}")
         self._warn_batchnorm(module)
         self._warn_empty_stages()
         self._check_codec_boundaries()
@@ -390,8 +448,15 @@ class ClappingStrategy(ParallelStrategy):
         self._patch(module, "optimizer_zero_grad", None)
         for hook in _EPOCH_END_HOOKS:
             self._patch(module, hook, self._on_last_stage(getattr(module, hook)))
-        # one pipeline replica: the data must come in the user's own order, so Lightning injects no sampler
-        self._patch(_compat.accelerator_connector(trainer), "use_distributed_sampler", False)
+        if self.num_replicas == 1:
+            # one pipeline replica: the data must come in the user's own order, so Lightning injects no sampler
+            self._patch(_compat.accelerator_connector(trainer), "use_distributed_sampler", False)
+        else:
+            self._shard_lazy_data(trainer)
+            self._averager = GradientAverager(self._dp_group, self.num_replicas)
+        if self.num_ranks > 1:
+            for obj, name, value in _compat.sigterm_without_collectives(trainer):
+                self._patch(obj, name, value)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -413,7 +478,8 @@ class ClappingStrategy(ParallelStrategy):
             timeout=self._timeout,
             step_results=True,
         )
-        self._byte_stats = ByteStats(self.num_stages, self.rank_of_stage, self.lazy_messages is not None)
+        self._byte_stats = ByteStats(self.num_stages, self.rank_of_stage, self.lazy_messages is not None,
+                                     group=self._pp_group)
         self._owners_settled = False
         self._checked_batch = False
         self._lazy_checked = False
@@ -427,7 +493,7 @@ class ClappingStrategy(ParallelStrategy):
         def hook() -> None:
             assert self._relay is not None
             self._relay.clear()
-            if self.global_rank == 0:  # the last stage
+            if self.stage == self.num_stages - 1:
                 with self._relay.capture(1):
                     user_hook()
             self._broadcast_logs()
@@ -470,21 +536,34 @@ class ClappingStrategy(ParallelStrategy):
 
     def _isolate_metrics(self, module: pl.LightningModule) -> None:
         """torchmetrics syncs ``compute()`` over the default (whole-world) group, but only the last stage has metric
-        state and calls it: give every Metric the group of the ranks that run the same stage instead."""
+        state and calls it: give every Metric the group of the ranks that run the same stage (its replicas)."""
         try:
             from torchmetrics import Metric
         except ImportError:  # pragma: no cover
             return
-        metrics = [m for m in module.modules() if isinstance(m, Metric)]
-        if not metrics:
+        if self._dp_group is None:
             return
-        if self._stage_groups is None and _compat.distributed_is_initialized() and self.num_stages > 1:
-            # collective: every rank creates every group, in the same order
-            self._stage_groups = [dist.new_group([r]) for r in range(self.num_stages)]
-        if self._stage_groups is None:
+        for m in module.modules():
+            if isinstance(m, Metric):
+                self._patch(m, "process_group", self._dp_group)
+
+    def _shard_lazy_data(self, trainer: pl.Trainer) -> None:
+        """A :class:`LazySamplingDataModule` (which Lightning gives no sampler) shards its data over the replicas."""
+        dm = trainer.datamodule
+        if not isinstance(dm, LazySamplingDataModule):
             return
-        for m in metrics:
-            self._patch(m, "process_group", self._stage_groups[self.global_rank])
+        if dm.num_replicas not in (1, self.num_replicas):
+            raise ValueError(
+                f"LazySamplingDataModule(num_replicas={dm.num_replicas}) but ClappingStrategy runs "
+                f"{self.num_replicas} data-parallel replicas: leave num_replicas at its default (the strategy sets it "
+                f"and the replica rank) or pass num_replicas={self.num_replicas}"
+            )
+        if dm.loader is not None and (dm.loader.num_replicas, dm.loader.replica_rank) != (self.num_replicas,
+                                                                                          self.replica):
+            raise ValueError("the LazySamplingDataModule's loader was built before the strategy could shard it over "
+                             "the replicas; do not call train_dataloader() before trainer.fit()")
+        self._patch(dm, "num_replicas", self.num_replicas)
+        self._patch(dm, "replica_rank", self.replica)
 
     def make_rule(self, boundary: int, direction: str, training: bool) -> MessageRule:
         """The encoder/decoder of one boundary and direction (both ends build the same one)."""
@@ -568,9 +647,12 @@ class ClappingStrategy(ParallelStrategy):
         seed = (lambda j: _mix(self._rng_base, batch_id, self.stage, j)) if self.freeze_rng else None
         fingerprint = failures.fingerprint(batch) if ctx.fresh and self.num_stages > 1 else None
         results = (lambda outs: self._step_results(outs, sizes, fingerprint)) if self.executor.is_last else None
-        with failures.reported(self.stage, self.global_rank, self.num_stages), \
+        with failures.reported(self.stage, self.global_rank, self.num_ranks), \
                 self.precision_plugin.train_step_context(), self._finding_shared_owners():
             outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results)
+        if self._averager is not None and not _compat.should_accumulate(trainer):
+            # this stage's last backward is done: average over the replicas while the pipeline drains
+            self._averager.start(self._stage_params())
         # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
         blob = self.executor.results if self.num_stages > 1 else self._step_results(outputs, sizes, None)
         loss_t = self._apply_results(blob, fingerprint)
@@ -592,7 +674,7 @@ class ClappingStrategy(ParallelStrategy):
         if self._owners_settled or not self.partition.shared_params:
             yield
             return
-        with self.runner.settling_shared_owners(self.lightning_module, self.rank_of_stage):
+        with self.runner.settling_shared_owners(self.lightning_module, self.rank_of_stage, self._pp_group):
             yield
         self._owners_settled = True
         owners = {k: self.partition.state_stage[k] for k in self.partition.shared_params}
@@ -605,7 +687,11 @@ class ClappingStrategy(ParallelStrategy):
                 for d, c in (("fwd", self.forward_codec), ("bwd", self.backward_codec))}
         choices, every = autotune.tune_pipeline(self.stage, self.num_stages, self.rank_of_stage,
                                                 self.executor.sent_specs, compute_s, self.variant, tops,
-                                                timeout=self._timeout)
+                                                timeout=self._timeout, group=self._pp_group,
+                                                src=self.rank_of_stage(self.num_stages - 1))
+        if self.num_replicas > 1:  # every replica probed its own links; all follow replica 0's choice
+            wire = self.broadcast([c.to_wire() for c in choices.values()], src=0)
+            choices = {w[0]: autotune.Choice.from_wire(w) for w in wire}
         self._autotuned = choices
         self.executor.rebuild_rules(training_only=True)
         rank_zero_info("ClappingStrategy autotune (kept for the rest of the run):\n"
@@ -655,10 +741,10 @@ class ClappingStrategy(ParallelStrategy):
     def _broadcast_logs(self) -> None:
         """Outside training steps: what the last stage logged reaches every rank with one broadcast."""
         assert self._relay is not None
-        self._local_logs = self._relay.combined() if self.global_rank == 0 else None
+        self._local_logs = self._relay.combined() if self.stage == self.num_stages - 1 else None
         box = [self._relay.to_wire(self._local_logs) if self._local_logs is not None else None]
         if self.num_stages > 1:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=self.rank_of_stage(self.num_stages - 1), group=self._pp_group)
         self._relay.replay(box[0], self._local_logs, self.root_device)
 
     def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
@@ -683,7 +769,7 @@ class ClappingStrategy(ParallelStrategy):
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
-        with failures.reported(self.stage, self.global_rank, self.num_stages), self._finding_shared_owners():
+        with failures.reported(self.stage, self.global_rank, self.num_ranks), self._finding_shared_owners():
             outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
@@ -691,7 +777,7 @@ class ClappingStrategy(ParallelStrategy):
         elif self.num_stages > 1:
             # every rank returns the predictions, as under DDP: scripts that use them run on every rank
             box = [_compat.tree_map_tensors(lambda t: t.cpu(), merged)]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=self.rank_of_stage(self.num_stages - 1), group=self._pp_group)
             merged = box[0] if self.executor.is_last else _compat.tree_map_tensors(lambda t: t.to(self.root_device),
                                                                                     box[0])
         return merged
@@ -709,7 +795,10 @@ class ClappingStrategy(ParallelStrategy):
             return self._eval("predict_step", *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Gradients were computed by the pipeline inside ``training_step``; only the hooks run here."""
+        """Gradients were computed by the pipeline inside ``training_step``; only the hooks run here (and, with
+        replicas, the wait for the gradients' average, before clipping and the optimizer step see them)."""
+        if self._averager is not None:
+            self._averager.finish()
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         return self.precision_plugin.post_backward(closure_loss, module)
@@ -720,8 +809,8 @@ class ClappingStrategy(ParallelStrategy):
         grads = [p.grad for p in params]
         local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
         squared = local.detach().double().pow(2).to(self.root_device)
-        if self.num_stages > 1:
-            dist.all_reduce(squared)
+        if self.num_stages > 1:  # the replicas hold the same averaged gradients: their pipeline's norm is enough
+            dist.all_reduce(squared, group=self._pp_group)
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, squared.sqrt().to(local.dtype))
 
     # ------------------------------------------------------------------ collectives
@@ -737,13 +826,33 @@ class ClappingStrategy(ParallelStrategy):
         return box[0]
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        """``sync_dist=True`` reduces over data-parallel replicas, never over stages: every stage already holds the
-        last stage's values (relayed), and there is one replica, so the value is returned as it is (a ``"sum"`` is
-        not multiplied by the number of stages), without a collective."""
-        return tensor
+        """``sync_dist=True`` reduces over data-parallel replicas, never over stages: every stage already holds its
+        replica's last-stage values (relayed), so the ranks of one stage reduce with each other (a ``"sum"`` is not
+        multiplied by the number of stages). With one replica the value is returned as it is, without a
+        collective."""
+        if self.num_replicas == 1 or not isinstance(tensor, Tensor):
+            return tensor
+        return _compat.sync_if_available(tensor, group if group is not None else self._dp_group, reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return _compat.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
+        """Gathers over the replicas (the ranks of this rank's stage), as DDP gathers over its ranks; with one
+        replica the tensor is returned as it is (a single device adds no dimension either)."""
+        if self.num_replicas == 1 and group is None:
+            return tensor
+        return _compat.all_gather_if_available(tensor, group=group if group is not None else self._dp_group,
+                                               sync_grads=sync_grads)
+
+    def _stage_params(self) -> list[torch.nn.Parameter]:
+        """This stage's parameters that hold a gradient, in the same order on every replica."""
+        seen: set[int] = set()
+        out = []
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """The last stage (rank 0) holds the authoritative metrics, so its decision is everyone's."""
@@ -755,28 +864,39 @@ class ClappingStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     # Lightning calls lightning_module_state_dict() and optimizer_state() on every rank, then save_checkpoint() on
-    # every rank. "full": the first two gather tensors to rank 0 (collectives), which writes the file. "sharded":
-    # they return this stage's own part, keyed by name, and every rank writes it (torch.distributed.checkpoint).
+    # every rank. "full": the first two gather replica 0's tensors to rank 0 (collectives within its pipeline),
+    # which writes the file. "sharded": they return this stage's own part, keyed by name, and every stage of
+    # replica 0 writes it (torch.distributed.checkpoint). The replicas hold the same weights and optimizer states;
+    # only their error-feedback buffers differ, and every replica saves its own.
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.partition is not None
+        if self.replica != 0:
+            return {}
         mine = self.partition.owned_state_keys(self.stage)
         local = {k: v for k, v in self.lightning_module.state_dict().items() if k in mine}
         if self.state_dict_type == "sharded":
             return local
-        parts = ckpt.gather_to_zero(local, self.root_device)
+        parts = ckpt.gather_to_zero(local, self.root_device, group=self._pp_group)
         return ckpt.merge_model_states(parts, list(self.partition.state_stage)) if parts is not None else {}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.replica != 0:
+            return {}
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         local = ckpt.local_optimizer_state(optimizer, optimizer.state_dict())
         if self.state_dict_type == "sharded":
             return ckpt.state_by_name(local, ckpt.param_names(self.lightning_module, optimizer))
-        parts = ckpt.gather_to_zero(local, self.root_device)
+        parts = ckpt.gather_to_zero(local, self.root_device, group=self._pp_group)
         return ckpt.merge_optimizer_states(parts) if parts is not None else {}
+
+    @property
+    def _feedback_key(self) -> str:
+        """Where this rank's error-feedback buffers live in a checkpoint (replica 0 keeps the one-replica names)."""
+        return f"stage{self.stage}" if self.replica == 0 else f"replica{self.replica}_stage{self.stage}"
 
     def _feedback_state(self) -> dict[str, Any]:
         state = self.executor.feedback_state() if self.executor is not None else self._last_feedback
-        return {f"stage{self.stage}": state}
+        return {self._feedback_key: state}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Adds every stage's error-feedback buffers, so a compressed run resumes exactly."""
@@ -799,6 +919,8 @@ class ClappingStrategy(ParallelStrategy):
         tensors = {"model": checkpoint.pop("state_dict"), "clapping_feedback": self._feedback_state()}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
+        if self.replica != 0:  # the other replicas add only their own error-feedback buffers
+            tensors = {"clapping_feedback": tensors["clapping_feedback"]}
         held = [k for k, v in (checkpoint.get("hyper_parameters") or {}).items() if isinstance(v, torch.nn.Module)]
         if held:
             rank_zero_warn(
@@ -843,7 +965,7 @@ class ClappingStrategy(ParallelStrategy):
             ckpt.check_model_keys(saved, list(self.partition.state_stage), path)
         mine = self.partition.owned_state_keys(self.stage)
         ckpt.load_sharded_model(path, {k: v for k, v in module.state_dict().items() if k in mine and k in saved})
-        prefixes = [f"clapping_feedback.stage{self.stage}"]
+        prefixes = [f"clapping_feedback.{self._feedback_key}"]
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         names = [ckpt.param_names(module, o) for o in optimizers]
         if module.trainer.state.fn == TrainerFn.FITTING:
@@ -889,7 +1011,7 @@ class ClappingStrategy(ParallelStrategy):
         if self.autotune and saved.get("autotune"):  # the saved run's choice, so that its buffers fit the rules
             self._autotuned = {w[0]: autotune.Choice.from_wire(w) for w in saved["autotune"]}
             self.executor.rebuild_rules(training_only=True)
-        for name, state in checkpoint.get("clapping_feedback", {}).get(f"stage{self.stage}", {}).items():
+        for name, state in checkpoint.get("clapping_feedback", {}).get(self._feedback_key, {}).items():
             rule = self.executor.rules.get(name)
             if rule is not None:
                 rule.load_state(state, self.root_device)

@@ -1,0 +1,152 @@
+"""Data parallel x pipeline: P stages x D replicas train like one process on the union of the replicas' batches."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_clapping import ClappingStrategy, LazySamplingDataModule
+from lightning_clapping.replicas import GradientAverager, Topology, _buckets
+from conftest import launch, run_gloo_ranks
+
+DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replicas")
+    launch("replicas_run.py", "dp", str(out), DP_CONFIGS, cwd=out, timeout=600)
+    launch("replicas_run.py", "single", str(out), "plain,clip_acc", cwd=out, timeout=300)
+
+    def result(name: str, mode: str, rank: int = 0) -> dict:
+        return json.loads((out / f"{name}_{mode}_rank{rank}.json").read_text())
+
+    def weights(name: str, mode: str) -> dict[str, torch.Tensor]:
+        return torch.load(out / f"weights_{name}_{mode}.pt")
+
+    return SimpleNamespace(out=out, result=result, weights=weights)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name", ["plain", "clip_acc"])
+def test_two_replicas_of_two_stages_train_like_one_process_on_the_union_of_their_batches(runs, name):
+    # "clip_acc": gradient clipping by the whole model's norm and accumulation over 2 batches, both after averaging
+    assert _max_diff(runs.weights(name, "dp"), runs.weights(name, "single")) <= 1e-5
+
+
+def test_replicas_train_on_different_data_and_the_stages_of_a_replica_on_the_same(runs):
+    seen = [runs.result("plain", "dp", r)["seen"] for r in range(4)]
+    # ranks 0, 1: replica 0 (stages 1, 0); ranks 2, 3: replica 1
+    assert seen[0] == seen[1] and seen[2] == seen[3]
+    mine = {round(v, 6) for mb in seen[0] for v in mb}
+    theirs = {round(v, 6) for mb in seen[2] for v in mb}
+    assert not mine & theirs, "the replicas trained on overlapping samples"
+    assert runs.result("plain", "dp")["world_size"] == 2  # trainer.world_size counts replicas, as under DDP
+
+
+def test_sync_dist_values_are_averaged_over_the_replicas(runs):
+    dp = runs.result("plain", "dp")["losses"]
+    assert dp == pytest.approx(runs.result("plain", "single")["losses"], abs=1e-6)
+    assert all(runs.result("plain", "dp", r)["losses"] == dp for r in range(4))
+
+
+def test_compressed_replicas_resume_exactly_with_each_replicas_feedback_buffers(runs):
+    assert _max_diff(runs.weights("fc_full", "dp"), runs.weights("fc_rest", "dp")) == 0.0
+    saved = torch.load(runs.out / "ckpt_fc_first" / "last.ckpt", weights_only=False)["clapping_feedback"]
+    assert sorted(saved) == ["replica1_stage0", "replica1_stage1", "stage0", "stage1"]
+    a, b = saved["stage0"]["fwd_out"], saved["replica1_stage0"]["fwd_out"]
+    assert not all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b))), "replicas share one buffer"
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _trainer(devices, num_nodes=1, **strategy_kwargs):
+    return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes,
+                     strategy=ClappingStrategy(**strategy_kwargs), logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_processes_that_are_not_a_whole_number_of_replicas_are_refused():
+    with pytest.raises(ValueError, match=r"stages=2, but the Trainer starts 3 processes.*among \[1, 3\]"):
+        _trainer(3, stages=2)
+
+
+def test_stages_that_disagree_with_split_points_are_refused():
+    with pytest.raises(ValueError, match=r"stages=3 disagrees with split_points=\['net.4'\].*2 stages"):
+        ClappingStrategy(split_points=["net.4"], stages=3)
+
+
+def test_replicas_that_would_straddle_nodes_unevenly_are_refused():
+    with pytest.raises(ValueError, match=r"2 stages x 3 replicas on nodes of 3 processes.*straddle"):
+        _trainer(3, num_nodes=2, stages=2)
+
+
+def test_a_lazy_data_module_sharded_otherwise_than_the_strategy_is_refused():
+    strategy = ClappingStrategy(stages=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    dm = LazySamplingDataModule([[0]], p=0.5, num_replicas=3, replica_rank=0)
+    with pytest.raises(ValueError, match=r"num_replicas=3\) but ClappingStrategy runs 2 data-parallel replicas"):
+        strategy._shard_lazy_data(SimpleNamespace(datamodule=dm))
+    dm = LazySamplingDataModule([[0]], p=0.5)
+    strategy._shard_lazy_data(SimpleNamespace(datamodule=dm))
+    assert (dm.num_replicas, dm.replica_rank) == (2, 0)
+
+
+# ------------------------------------------------------------------------------------------------ the pieces
+def test_topology_places_each_replica_on_consecutive_ranks_with_its_last_stage_first():
+    topo = Topology(stages=2, replicas=2, ranks_per_node=2)
+    assert topo.layout() == [[1, 0], [3, 2]]
+    assert [topo.stage_of(r) for r in range(4)] == [1, 0, 1, 0]
+    assert [topo.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert topo.crossings() == []  # each replica on its own node: only the replicas' all-reduce crosses nodes
+    across = Topology(stages=4, replicas=1, ranks_per_node=2)
+    assert across.crossings() == [1]
+    assert "boundaries crossing nodes: 1" in across.describe()
+
+
+def test_gradients_fall_into_buckets_by_size_and_dtype():
+    grads = [torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(30)]
+    sizes = [[g.numel() for g in b] for b in _buckets(grads, limit=80)]
+    assert sizes == [[10, 10], [10], [30]]
+
+
+def _average_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in
+              ((5, torch.float32), (7, torch.float32), (3, torch.float64))]
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, float(rank * 10 + i))
+    averager = GradientAverager(None, replicas=2, bucket_bytes=32)  # several buckets
+    averager.start(params)
+    averager.finish()
+    out.put((rank, [p.grad.tolist() for p in params]))
+    dist.destroy_process_group()
+
+
+def test_gradient_averager_averages_every_bucket_over_the_replicas():
+    items, codes = run_gloo_ranks(_average_worker, expected=2)
+    assert codes == [0, 0]
+    for _, grads in items:
+        assert grads == [[5.0] * 5, [6.0] * 7, [7.0] * 3]
