@@ -78,6 +78,11 @@ class ClappingStrategy(ParallelStrategy):
             single replica). ``devices * num_nodes / stages`` replicas each train on their own share of the data
             (Lightning's ``DistributedSampler``, or the lazy sampler's own sharding), and every stage's gradients
             are averaged over its replicas before the optimizer step, as under DDP.
+        ddp_comm_hook, ddp_comm_state: compress the replicas' gradient averaging with one of PyTorch's DDP
+            communication hooks (``hook(state, bucket) -> Future``, e.g.
+            ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` or ``powerSGD_hook``
+            with a ``PowerSGDState``), worth it when the replicas sit behind slow links too. A ``None`` state (or a
+            state whose ``process_group`` is ``None``) reduces over each stage's replicas. Ignored with one replica.
         microbatches: micro-batches per batch. A batch smaller than this (the last one of an epoch) is split into
             as many micro-batches as it has samples.
         schedule: ``"1f1b"`` (default: activation memory bounded by the pipeline depth) or ``"gpipe"``.
@@ -136,6 +141,8 @@ class ClappingStrategy(ParallelStrategy):
         self,
         split_points: list[str] | None = None,
         stages: int | None = None,
+        ddp_comm_hook: Any = None,
+        ddp_comm_state: Any = None,
         microbatches: int = 4,
         schedule: Literal["1f1b", "gpipe"] = "1f1b",
         variant: str = "uncompressed",
@@ -194,6 +201,10 @@ class ClappingStrategy(ParallelStrategy):
                 "split points set the number of stages)"
             )
         self._stages_arg = stages
+        if ddp_comm_hook is not None and not callable(ddp_comm_hook):
+            raise TypeError(f"ddp_comm_hook must be a DDP communication hook, hook(state, bucket) -> Future, such as "
+                            f"default_hooks.bf16_compress_hook; got {ddp_comm_hook!r}")
+        self._comm_hook, self._comm_state = ddp_comm_hook, ddp_comm_state
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
@@ -370,6 +381,12 @@ class ClappingStrategy(ParallelStrategy):
                 f"devices={stages} (x num_nodes) for one replica."
             )
         self.topology.check()
+        devices = {d.type for d in self.parallel_devices or ()}
+        if self._process_group_backend == "nccl" and devices != {"cuda"}:
+            raise ValueError(
+                f"process_group_backend='nccl' needs CUDA devices, but this Trainer runs on {sorted(devices)}: use "
+                "accelerator='gpu' on a machine with CUDA, or process_group_backend='gloo' (the default on CPU)"
+            )
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -449,11 +466,14 @@ class ClappingStrategy(ParallelStrategy):
         for hook in _EPOCH_END_HOOKS:
             self._patch(module, hook, self._on_last_stage(getattr(module, hook)))
         if self.num_replicas == 1:
+            if self._comm_hook is not None:
+                rank_zero_warn("ddp_comm_hook is ignored: with one pipeline replica there are no gradients to average")
             # one pipeline replica: the data must come in the user's own order, so Lightning injects no sampler
             self._patch(_compat.accelerator_connector(trainer), "use_distributed_sampler", False)
         else:
             self._shard_lazy_data(trainer)
-            self._averager = GradientAverager(self._dp_group, self.num_replicas)
+            self._averager = GradientAverager(self._dp_group, self.num_replicas, comm_hook=self._comm_hook,
+                                              comm_state=self._comm_state)
         if self.num_ranks > 1:
             for obj, name, value in _compat.sigterm_without_collectives(trainer):
                 self._patch(obj, name, value)

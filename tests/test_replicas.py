@@ -13,7 +13,7 @@ from lightning_clapping import ClappingStrategy, LazySamplingDataModule
 from lightning_clapping.replicas import GradientAverager, Topology, _buckets
 from conftest import launch, run_gloo_ranks
 
-DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest"
+DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest,sh_first,sh_rest"
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,9 @@ def test_two_replicas_of_two_stages_train_like_one_process_on_the_union_of_their
     assert _max_diff(runs.weights(name, "dp"), runs.weights(name, "single")) <= 1e-5
 
 
-def test_replicas_train_on_different_data_and_the_stages_of_a_replica_on_the_same(runs):
-    seen = [runs.result("plain", "dp", r)["seen"] for r in range(4)]
+@pytest.mark.parametrize("name", ["plain", "fc_full"])  # Lightning's sampler; the lazy loader's own sharding
+def test_replicas_train_on_different_data_and_the_stages_of_a_replica_on_the_same(runs, name):
+    seen = [runs.result(name, "dp", r)["seen"] for r in range(4)]
     # ranks 0, 1: replica 0 (stages 1, 0); ranks 2, 3: replica 1
     assert seen[0] == seen[1] and seen[2] == seen[3]
     mine = {round(v, 6) for mb in seen[0] for v in mb}
@@ -64,6 +65,16 @@ def test_compressed_replicas_resume_exactly_with_each_replicas_feedback_buffers(
     assert sorted(saved) == ["replica1_stage0", "replica1_stage1", "stage0", "stage1"]
     a, b = saved["stage0"]["fwd_out"], saved["replica1_stage0"]["fwd_out"]
     assert not all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b))), "replicas share one buffer"
+
+
+def test_a_sharded_checkpoint_of_replicas_resumes_exactly(runs):
+    # the consolidated sharded checkpoint holds replica 0's weights; every replica's buffers were saved and read
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(runs.out / "ckpt_sh_rest" / "last.ckpt", runs.out / "sh_rest.pt")
+    rest = torch.load(runs.out / "sh_rest.pt", weights_only=False)
+    assert _max_diff(rest["model"], runs.weights("fc_full", "dp")) == 0.0
+    assert sorted(rest["clapping_feedback"]) == ["replica1_stage0", "replica1_stage1", "stage0", "stage1"]
 
 
 def _tensors(state) -> list[torch.Tensor]:
@@ -96,6 +107,11 @@ def test_stages_that_disagree_with_split_points_are_refused():
 def test_replicas_that_would_straddle_nodes_unevenly_are_refused():
     with pytest.raises(ValueError, match=r"2 stages x 3 replicas on nodes of 3 processes.*straddle"):
         _trainer(3, num_nodes=2, stages=2)
+
+
+def test_nccl_without_cuda_is_refused():
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices.*\['cpu'\]"):
+        _trainer(2, process_group_backend="nccl")
 
 
 def test_a_lazy_data_module_sharded_otherwise_than_the_strategy_is_refused():
@@ -150,3 +166,37 @@ def test_gradient_averager_averages_every_bucket_over_the_replicas():
     assert codes == [0, 0]
     for _, grads in items:
         assert grads == [[5.0] * 5, [6.0] * 7, [7.0] * 3]
+
+
+def _hook_worker(rank, port, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    sent = []
+
+    def hook(state, bucket):  # DDP's fp16 hook, recording what it was handed
+        sent.append((bucket.index(), bucket.is_last(), [tuple(g.shape) for g in bucket.gradients()]))
+        return fp16_compress_hook(state, bucket)
+
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad = torch.full((2, 3), 1.0 + rank * (1 + 2 ** -12))  # the fp16 average rounds this
+    params[1].grad = torch.full((4,), float(rank))
+    averager = GradientAverager(None, replicas=2, bucket_bytes=24, comm_hook=hook)
+    averager.start(params)
+    averager.finish()
+    out.put((rank, sent, params[0].grad[0, 0].item(), params[1].grad.tolist()))
+    dist.destroy_process_group()
+
+
+def test_a_ddp_communication_hook_averages_the_replicas_buckets():
+    items, codes = run_gloo_ranks(_hook_worker, expected=2)
+    assert codes == [0, 0]
+    for _, sent, first, second in items:
+        assert sent == [(0, False, [(2, 3)]), (1, True, [(4,)])]
+        exact = 1.0 + (1 + 2 ** -12) / 2
+        assert first != exact and first == pytest.approx(exact, abs=1e-3)  # went through fp16
+        assert second == [0.5] * 4

@@ -55,6 +55,9 @@ CONFIGS = {
     "fc_full": ({"max_steps": 6}, {"variant": "clapping-fc"}, {"lazy": True}),
     "fc_first": ({"max_steps": 3}, {"variant": "clapping-fc"}, {"lazy": True}),
     "fc_rest": ({"max_steps": 6}, {"variant": "clapping-fc"}, {"lazy": True, "resume": "fc_first"}),
+    "sh_first": ({"max_steps": 3}, {"variant": "clapping-fc", "state_dict_type": "sharded"}, {"lazy": True}),
+    "sh_rest": ({"max_steps": 6}, {"variant": "clapping-fc", "state_dict_type": "sharded"},
+                {"lazy": True, "resume": "sh_first"}),
 }
 
 
@@ -86,7 +89,7 @@ def run(mode: str, out: Path, name: str) -> None:
     result = {"losses": losses.losses, "seen": model.seen, "global_step": trainer.global_step,
               "world_size": trainer.world_size, "bytes": trainer.strategy.byte_totals.get("bytes")
               if mode == "dp" else None}
-    if rank == 0:
+    if rank == 0 and strategy_kw.get("state_dict_type") != "sharded":  # a sharded run keeps only its stage
         torch.save(model.state_dict(), out / f"weights_{name}_{mode}.pt")
     (out / f"{name}_{mode}_rank{rank}.json").write_text(json.dumps(result))
 
