@@ -125,16 +125,28 @@ class TwoNodes:
             time.sleep(0.2)
 
     def kill(self) -> None:
+        """Kill every process of the runs: each launch's session, and whatever else runs in the node namespaces
+        (torchrun starts its workers in sessions of their own). Only this test's processes live there."""
         for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for ep in self.nodes:
+            pids = subprocess.run(["ip", "netns", "pids", ep.ns], capture_output=True, text=True, timeout=30).stdout
+            for pid in pids.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for proc in self.procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        deadline = time.monotonic() + 10  # killed processes that are not our children vanish a moment later
+        while _processes_mentioning(str(self.out)) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def ranks(self) -> list[dict]:
         files = sorted(self.out.glob("rank*.pt"))
