@@ -166,7 +166,7 @@ def two_nodes(tmp_path):
         pytest.skip("creating network namespaces needs root")
     if shutil.which("ip") is None:
         pytest.skip("`ip` is missing (apt-get install -y iproute2)")
-    tag = f"cmn{os.getpid() % 100000}"
+    tag = f"cmn{os.getpid() % 100000}n"  # the "n" ends it: no other run's tag starts with this one
     before = _links_here()
     lab = Lab(tag=tag)
     cluster = None
@@ -248,7 +248,11 @@ def test_four_stages_on_two_nodes_train_like_one_process(two_nodes, launcher):
 def test_two_replicas_of_two_stages_train_like_one_process_on_both_batches(two_nodes):
     """stages=2 on 2 nodes x 2 devices: replica r is global ranks 2r, 2r+1 (one node each); the replicas split the
     data, and after 3 SGD steps every copy of the weights equals one process trained on both replicas' batches
-    together (batch 2 x 4)."""
+    together (batch 2 x 4).
+
+    The sampler Lightning injects (``use_distributed_sampler=True``, the default) shuffles training data even for a
+    ``shuffle=False`` loader (as under DDP), so the global batch of each step is taken from what the replicas drew,
+    not assumed to be every other sample in order."""
     two_nodes.launch("dp", "lightning")
     ranks = two_nodes.ranks()
     _assert_placement(ranks, ENVIRONMENT["lightning"])
