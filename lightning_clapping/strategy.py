@@ -452,6 +452,7 @@ class ClappingStrategy(ParallelStrategy):
         module = self.lightning_module
         self.partition = self.check_model(module)
         assert self.partition is not None
+        self._check_same_cuts()
         if trainer.state.fn == TrainerFn.FITTING:
             rank_zero_info(f"ClappingStrategy: {self.num_stages} stages, schedule {self.schedule}, "
                            f"{self.microbatches} micro-batches\n{self.partition.table()}\n{self.topology.describe()}")
@@ -505,6 +506,21 @@ class ClappingStrategy(ParallelStrategy):
         self._lazy_checked = False
         self._lazy_loader = None
         log.debug("stage %d holds %d parameter bytes", self.stage, count_stage_bytes(module))
+
+    def _check_same_cuts(self) -> None:
+        """Collective, once per run: every process must have cut the model at the same modules (a node started with
+        other split points, whose boundary tensors happen to have the same shapes, would train silently wrong)."""
+        if self.num_ranks == 1:
+            return
+        assert self.partition is not None
+        cuts: list[Any] = [None] * self.num_ranks
+        dist.all_gather_object(cuts, list(self.partition.cut_points))
+        other = next((r for r, c in enumerate(cuts) if c != cuts[0]), None)
+        if other is not None:
+            raise ValueError(
+                f"the processes cut the model differently: rank 0 at {cuts[0]}, rank {other} at {cuts[other]}. "
+                "Start every process (every node) with the same code and the same split_points / stages."
+            )
 
     def _on_last_stage(self, user_hook: Any) -> Any:
         """An epoch-end hook runs on the last stage only, where the step outputs it reads exist (the earlier stages

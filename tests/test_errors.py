@@ -82,6 +82,12 @@ def test_forward_that_cannot_be_split_fails_with_the_reason(tmp_path):
     assert "cannot be cut here" in proc.stderr and "cut module's inputs" in proc.stderr
 
 
+def test_processes_that_cut_the_model_differently_are_refused_before_training(tmp_path):
+    proc = launch("failing_run.py", "other_cuts", cwd=tmp_path, expect_ok=False, timeout=120)
+    assert proc.returncode != 0
+    assert "the processes cut the model differently: rank 0 at ['net.4'], rank 1 at ['net.2']" in proc.stderr
+
+
 def test_microbatches_larger_than_the_batch_are_refused_at_the_first_step(tmp_path):
     proc = launch("failing_run.py", "microbatches", cwd=tmp_path, expect_ok=False, timeout=120)
     assert proc.returncode != 0

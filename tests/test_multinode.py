@@ -244,7 +244,6 @@ def test_four_stages_on_two_nodes_train_like_one_process(two_nodes, launcher):
     _assert_weights(ranks, _trained_alone(in_order))
 
 
-@pytest.mark.xfail(strict=False, reason="needs data parallel x pipeline (stages=)")
 def test_two_replicas_of_two_stages_train_like_one_process_on_both_batches(two_nodes):
     """stages=2 on 2 nodes x 2 devices: replica r is global ranks 2r, 2r+1 (one node each); the replicas split the
     data, and after 3 SGD steps every copy of the weights equals one process trained on both replicas' batches

@@ -1,7 +1,7 @@
 """Runs that must fail cleanly (a clear message, every process ends).
 
 python failing_run.py CASE      CASE: unsplittable | microbatches | child_dies | rank0_dies | child_raises | sigterm
-                                      | child_hangs
+                                      | child_hangs | other_cuts
 
 sigterm trains until stopped; every rank writes its pid to pid_rank{r}, rank 0 writes "started" after 3 steps.
 """
@@ -95,6 +95,8 @@ def main(case):
         model = SequentialMLP()
     elif case == "child_hangs":
         model = StopsAtStep()
+    elif case == "other_cuts":  # the second process (as on another node started with other arguments) cuts elsewhere
+        model, split = SequentialMLP(), ["net.2"] if os.environ.get("LOCAL_RANK", "0") == "1" else ["net.4"]
     else:
         raise SystemExit(f"unknown case {case}")
     strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=microbatches, timeout=timeout,
