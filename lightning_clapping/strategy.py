@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_clapping import _compat
 from lightning_clapping import checkpoint as ckpt
-from lightning_clapping import autotune, failures, liveness
+from lightning_clapping import autotune, failures, liveness, precision
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
@@ -362,12 +362,7 @@ class ClappingStrategy(ParallelStrategy):
                 "micro-batches inside one training step. Remove `self.automatic_optimization = False` and return the "
                 "loss from training_step."
             )
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if str(precision) in ("16-mixed", "16"):
-            raise ValueError(
-                "precision='16-mixed' needs a gradient scaler whose overflow checks would have to agree across stages; "
-                "use precision='bf16-mixed' (or 32-true) with ClappingStrategy."
-            )
+        precision.check_plugin(self.precision_plugin, self.variant)
         return build_partition(model, self.num_stages, self.split_points) if partition else None
 
     # ------------------------------------------------------------------ setup
@@ -556,7 +551,8 @@ class ClappingStrategy(ParallelStrategy):
                 type(module).optimizer_zero_grad(module, trainer.current_epoch, batch_idx, optimizer)
         microbatches, sizes = self._split(batch)
         total = sum(sizes)
-        weights = [n / total / accumulate for n in sizes]
+        weights = precision.scale_loss_weights(self.precision_plugin, [n / total / accumulate for n in sizes],
+                                               self.root_device, self.optimizers)
         ctx, batch_id, info = self._step_context(trainer, batch_idx, sizes)
         relay = self._relay
         relay.clear()
