@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_clapping import _compat
 from lightning_clapping import checkpoint as ckpt
-from lightning_clapping import autotune, failures, liveness, precision
+from lightning_clapping import autotune, checkpointing, failures, liveness, precision
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.executor import PipelineExecutor, StepStats
@@ -119,6 +119,9 @@ class ClappingStrategy(ParallelStrategy):
             is in the checkpoint (``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` makes one
             file of it).
         start_method: only ``"popen"``; spawn and fork are refused with the reason.
+        activation_checkpointing: recompute activations in backward instead of keeping them, per stage: ``True`` for
+            the model's blocks, or a set of module classes (see :mod:`lightning_clapping.checkpointing`); the
+            recompute sees the same dropout masks. ``None`` (default): off.
     """
 
     strategy_name = "clapping"
@@ -151,6 +154,7 @@ class ClappingStrategy(ParallelStrategy):
         log_bytes: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen",
+        activation_checkpointing: Any = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -167,6 +171,7 @@ class ClappingStrategy(ParallelStrategy):
                 f"per stage, written in parallel), got {state_dict_type!r}"
             )
         self.state_dict_type = state_dict_type
+        self.activation_checkpointing = checkpointing.check_policy(activation_checkpointing)
         self._sharded_loaded = False
         if split_points is not None:
             if isinstance(split_points, str) or not all(isinstance(s, str) for s in split_points):
@@ -378,7 +383,7 @@ class ClappingStrategy(ParallelStrategy):
         self._warn_batchnorm(module)
         self._warn_empty_stages()
         self._check_codec_boundaries()
-        self.runner = StageRunner(module, self.partition, self.stage)
+        self.runner = StageRunner(module, self.partition, self.stage, self.activation_checkpointing)
         self.runner.release_foreign_state()
         self._materialize_own_stage(module)
         self.runner.install()
