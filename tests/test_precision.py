@@ -127,6 +127,7 @@ def test_bf16_mixed_pipeline_trains_like_one_device_in_bf16_mixed(runs):
     pipe, single = _result(runs, "bf16mixed", "pipe"), _result(runs, "bf16mixed", "single")
     assert _result(runs, "bf16mixed", "pipe", 1)["sent_dtypes"] == {"fwd_out": ["torch.bfloat16"]}  # autocast
     assert pipe["param_dtypes"] == ["torch.float32"]
+    assert pipe["wire_ratio"] < 0.6, "bf16 messages must cross the wire in 2 bytes a value, not 4"
     # bf16 keeps 8 bits of mantissa; micro-batches round differently from the whole batch
     torch.testing.assert_close(pipe["losses"], single["losses"], rtol=0, atol=5e-3)
     _close_weights(runs, "bf16mixed", "bf16mixed_single", atol=2e-3)
@@ -138,6 +139,7 @@ def test_bf16_true_pipeline_sends_bf16_and_trains_like_one_device_in_bf16_true(r
     assert first["param_dtypes"] == pipe["param_dtypes"] == ["torch.bfloat16"]
     assert first["sent_dtypes"] == {"fwd_out": ["torch.bfloat16"]} and pipe["sent_dtypes"] == {"bwd_out": [
         "torch.bfloat16"]}
+    assert pipe["wire_ratio"] < 0.6, "bf16 messages must cross the wire in 2 bytes a value, not 4"
     # bf16 losses: a few units in the last place (2**-7 near 1.4), each micro-batch's mean rounded on its own
     torch.testing.assert_close(pipe["losses"], single["losses"], rtol=0, atol=3e-2)
     _close_weights(runs, "bf16true", "bf16true_single", atol=1e-2)

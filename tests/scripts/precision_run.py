@@ -82,6 +82,9 @@ class Probe(L.Callback):
                                         for name, specs in executor.sent_specs.items()}
             self.info["feedback"] = executor.feedback_state()
             self.info["checkpointed"] = trainer.strategy.runner.checkpointed
+            totals = trainer.strategy.byte_totals  # every stage's messages (headers and step results included)
+            control = totals["control_bytes"]
+            self.info["wire_ratio"] = (totals["bytes"] - control) / (totals["raw_bytes"] - control)
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             shared = getattr(scaler.__dict__.get("unscale_"), "shared_loss_scale", None) if scaler else None
             if shared is not None:
