@@ -154,3 +154,32 @@ def sigterm_without_collectives(trainer) -> list[tuple[object, str, object]]:
 
     return [(trainer.fit_loop.epoch_loop, "_broadcast_sigterm_tensor", lambda: None),
             (connector, "_sigterm_notifier_fn", notifier)]
+
+
+__all__ += ["should_accumulate", "sigterm_without_collectives"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loss scaling under 16-mixed (used by lightning_clapping.precision): the stages' overflow flags are combined between
+# the scaler's unscale_ and its step, which torch keeps in a private per-optimizer dict
+
+
+def found_inf_per_device(scaler, optimizer) -> dict:
+    """The scaler's found-inf flags of ``optimizer`` by device (private ``_per_optimizer_states``), the dict itself:
+    what ``step`` and ``update`` read after ``unscale_``."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+
+def optimizer_handles_unscaling(optimizer) -> bool:
+    """Lightning's private ``_optimizer_handles_unscaling``: a fused optimizer unscales inside its own step."""
+    from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+
+    return bool(_optimizer_handles_unscaling(unwrap_optimizer(optimizer)))
+
+
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside a LightningOptimizer (private ``_optimizer``), or ``optimizer`` itself."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+__all__ += ["found_inf_per_device", "optimizer_handles_unscaling", "unwrap_optimizer"]

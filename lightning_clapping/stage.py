@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_clapping import checkpointing
 from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
 from lightning_clapping.partition import Partition, PartitionError
 
@@ -56,7 +57,8 @@ def tensor_leaves(obj: Any) -> list[Tensor]:
 class StageRunner:
     """Installs the unit wrappers for ``stage`` and tracks where the current micro-batch's forward is."""
 
-    def __init__(self, module: nn.Module, partition: Partition, stage: int) -> None:
+    def __init__(self, module: nn.Module, partition: Partition, stage: int,
+                 activation_checkpointing: checkpointing.Policy | None = None) -> None:
         self.module = module
         self.partition = partition
         self.stage = stage
@@ -69,9 +71,16 @@ class StageRunner:
         self._stub_cache: dict[tuple, tuple] = {}
         self._saved_forwards: dict[str, Any] = {}
         self._modules = dict(module.named_modules())
+        #: this stage's checkpointed submodules (see :mod:`lightning_clapping.checkpointing`)
+        self.checkpointed = checkpointing.targets(module, partition, stage, activation_checkpointing)
+        self._saved_checkpointed: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
+        """Wrap the units' forwards (and, inside them, the checkpointed submodules': a unit that is checkpointed
+        itself gets the stage wrapper around its checkpointed forward, so the recompute runs the plain module)."""
+        for name in self.checkpointed:
+            self._saved_checkpointed[name] = checkpointing.wrap(self._modules[name])
         for name in self.partition.unit_stage:
             if name == "":
                 continue
@@ -87,6 +96,9 @@ class StageRunner:
             else:
                 unit.forward = saved
         self._saved_forwards.clear()
+        for name, saved in reversed(self._saved_checkpointed.items()):
+            checkpointing.unwrap(self._modules[name], saved)
+        self._saved_checkpointed.clear()
 
     def release_foreign_state(self) -> None:
         """Move the parameters and buffers of other stages' units to the meta device (frees their memory)."""

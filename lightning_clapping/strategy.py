@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_clapping import _compat
 from lightning_clapping import checkpoint as ckpt
-from lightning_clapping import autotune, failures, liveness
+from lightning_clapping import autotune, checkpointing, failures, liveness, precision
 from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
@@ -133,6 +133,9 @@ class ClappingStrategy(ParallelStrategy):
             is in the checkpoint (``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` makes one
             file of it).
         start_method: only ``"popen"``; spawn and fork are refused with the reason.
+        activation_checkpointing: recompute activations in backward instead of keeping them, per stage: ``True`` for
+            the model's blocks, or a set of module classes (see :mod:`lightning_clapping.checkpointing`); the
+            recompute sees the same dropout masks. ``None`` (default): off.
     """
 
     strategy_name = "clapping"
@@ -168,6 +171,7 @@ class ClappingStrategy(ParallelStrategy):
         log_bytes: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen",
+        activation_checkpointing: Any = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -184,6 +188,7 @@ class ClappingStrategy(ParallelStrategy):
                 f"per stage, written in parallel), got {state_dict_type!r}"
             )
         self.state_dict_type = state_dict_type
+        self.activation_checkpointing = checkpointing.check_policy(activation_checkpointing)
         self._sharded_loaded = False
         if split_points is not None:
             if isinstance(split_points, str) or not all(isinstance(s, str) for s in split_points):
@@ -437,12 +442,7 @@ class ClappingStrategy(ParallelStrategy):
                 "micro-batches inside one training step. Remove `self.automatic_optimization = False` and return the "
                 "loss from training_step."
             )
-        precision = getattr(self.precision_plugin, "precision", "32-true")
-        if str(precision) in ("16-mixed", "16"):
-            raise ValueError(
-                "precision='16-mixed' needs a gradient scaler whose overflow checks would have to agree across stages; "
-                "use precision='bf16-mixed' (or 32-true) with ClappingStrategy."
-            )
+        precision.check_plugin(self.precision_plugin, self.variant)
         return build_partition(model, self.num_stages, self.split_points) if partition else None
 
     # ------------------------------------------------------------------ setup
@@ -459,7 +459,7 @@ class ClappingStrategy(ParallelStrategy):
         self._warn_batchnorm(module)
         self._warn_empty_stages()
         self._check_codec_boundaries()
-        self.runner = StageRunner(module, self.partition, self.stage)
+        self.runner = StageRunner(module, self.partition, self.stage, self.activation_checkpointing)
         self.runner.release_foreign_state()
         self._materialize_own_stage(module)
         self.runner.install()
@@ -671,7 +671,8 @@ class ClappingStrategy(ParallelStrategy):
                 type(module).optimizer_zero_grad(module, trainer.current_epoch, batch_idx, optimizer)
         microbatches, sizes = self._split(batch)
         total = sum(sizes)
-        weights = [n / total / accumulate for n in sizes]
+        weights = precision.scale_loss_weights(self.precision_plugin, [n / total / accumulate for n in sizes],
+                                               self.root_device, self.optimizers)
         ctx, batch_id, info = self._step_context(trainer, batch_idx, sizes)
         relay = self._relay
         relay.clear()
