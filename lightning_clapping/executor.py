@@ -371,20 +371,31 @@ class PipelineExecutor:
 
 
 class _frozen_rng:
-    """Seed torch's RNG for one micro-batch's forward and restore the surrounding stream afterwards."""
+    """Seed torch's RNG for one micro-batch's forward and restore the surrounding streams afterwards.
+
+    Both the CPU generator and, on a CUDA device, that device's own generator (where dropout on the GPU draws from)
+    are seeded and restored; the generators of other devices are left alone.
+    """
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.seed = seed
-        self.devices = [device] if device.type == "cuda" else []
+        self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
 
     def __enter__(self):
-        self._fork = torch.random.fork_rng(devices=self.devices)
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
+        self._cpu_state = torch.get_rng_state()
+        torch.random.default_generator.manual_seed(self.seed)
+        if self.cuda:
+            self._cuda_state = torch.cuda.get_rng_state(self.index)
+            with torch.cuda.device(self.index):
+                torch.cuda.manual_seed(self.seed)
         return self
 
     def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)
+        torch.set_rng_state(self._cpu_state)
+        if self.cuda:
+            torch.cuda.set_rng_state(self._cuda_state, self.index)
+        return False
 
 
 def _name_message(rule: MessageRule, rule_name: str, j: int, peer: int) -> str:
