@@ -26,6 +26,7 @@ import torch.distributed as dist
 class _Group:
     def __init__(self, ops: list[dist.P2POp], works: list[dist.Work]) -> None:
         self.ops = ops  # keeps the tensors alive until the group has completed
+        self.on_cuda = any(op.tensor.is_cuda for op in ops)
         self.works = works
         self.done = [False] * len(works)
 
@@ -83,7 +84,9 @@ class P2PQueue:
         for i in group.works_of(index):
             if not group.done[i]:
                 work = group.works[i]
-                if self.timeout is None:
+                if self.timeout is None or group.on_cuda:
+                    # NCCL: wait() makes the current stream wait, the CPU runs on; given a timeout it would block
+                    # the CPU until the group is done. The process group's own timeout still ends a stuck group.
                     work.wait()
                 else:
                     work.wait(self.timeout)
