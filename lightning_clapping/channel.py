@@ -14,9 +14,9 @@ A receive is posted before its message arrives (gloo moves data only once a rece
 for it). That needs the receiver to know a message's size in advance: both ends remember the size of the last
 message in each *slot* (micro-batch position) and *mode* (a key both ends can compute, such as "full precision" or
 "compressed"), and the sender keeps to it. When the size changes anyway (the first message, a smaller last batch)
-the sender first sends a *resize* message of the expected size that announces the new one, then the message itself,
-both in the same group of operations; the receiver receives the message right after the resize, before anything
-else from that peer.
+the sender sends a *resize* message of the expected size that announces the new one, and the message itself in the
+group of operations that follows (see :func:`exchange`); the receiver receives the message right after the resize,
+before anything else from that peer.
 
 Every operation is issued through a :class:`~lightning_clapping.p2p.P2PQueue`, i.e. with
 ``torch.distributed.batch_isend_irecv``, on every backend. Messages are matched in one of two ways:

@@ -162,3 +162,19 @@ def test_every_byte_the_executor_counts_goes_through_batch_isend_irecv(ranks, ke
         got = _get(ranks, key, rank)
         assert got["same_grads"]
         assert sum(b for _, _, b in got["batches"]) == got["bytes"] > 0
+
+
+def test_receives_posted_ahead_are_refused_where_nccl_matches_messages_by_order(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning_clapping.executor import PipelineExecutor
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    runner, no_rules = SimpleNamespace(stage=0, num_stages=2), lambda boundary, direction, training: None
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="prepost_receives=True .* NCCL matches point-to-point messages by their order"):
+        PipelineExecutor(runner, lambda s: s, cuda, no_rules, prepost=True)
+    assert PipelineExecutor(runner, lambda s: s, cuda, no_rules, prepost=False).queue.ordered
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # gloo matches CUDA tensors by tag too
+    assert not PipelineExecutor(runner, lambda s: s, cuda, no_rules, prepost=True).queue.ordered
