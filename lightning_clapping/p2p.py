@@ -39,15 +39,11 @@ class _Group:
 
 
 class P2PQueue:
-    """A rank's point-to-point operations, issued in groups (see the module docstring for the two modes).
-
-    ``batches`` counts the ``batch_isend_irecv`` calls made so far.
-    """
+    """A rank's point-to-point operations, issued in groups (see the module docstring for the two modes)."""
 
     def __init__(self, ordered: bool, timeout: timedelta | None = None) -> None:
         self.ordered = ordered
         self.timeout = timeout
-        self.batches = 0
         self._open: list[_Group] = []
         self._receives: dict[int, tuple[_Group, int]] = {}  # id of an issued receive not yet waited for -> place
 
@@ -58,7 +54,6 @@ class P2PQueue:
         if self.ordered:
             self.flush()  # the previous group completes before this one starts, as on NCCL's stream
         group = _Group(list(ops), dist.batch_isend_irecv(list(ops)))
-        self.batches += 1
         self._open.append(group)
         for i, op in enumerate(ops):
             if op.op is not dist.isend:
