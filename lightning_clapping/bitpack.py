@@ -22,9 +22,15 @@ def _check_bits(caller: str, bits: int) -> None:
         raise ValueError(f"{caller}: bits must be in 0..63, got {bits}")
 
 
-def _low_bytes(count: int) -> list[int]:
-    """Positions of the ``count`` least significant bytes within an int64, lowest first."""
-    return list(range(count)) if _LITTLE else [7 - j for j in range(count)]
+def _low_bytes(columns: Tensor, count: int) -> Tensor:
+    """A view of the ``count`` least significant byte columns of int64 values viewed as ``(n, 8)`` bytes, in memory
+    order (a slice: no index tensor is built on the host and copied to the values' device)."""
+    return columns[:, :count] if _LITTLE else columns[:, 8 - count :]
+
+
+def _by_significance(block: Tensor) -> Tensor:
+    """Byte columns from :func:`_low_bytes` reordered lowest first, or back (the order is its own inverse)."""
+    return block if _LITTLE else block.flip(1)
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -96,7 +102,7 @@ def _byte_rows(codes: Tensor, count: int) -> Tensor:
     n = codes.numel()
     columns = codes.contiguous().view(torch.uint8).view(n, 8)
     rows = torch.zeros(count, -(-n // 64) * 64, dtype=torch.uint8, device=codes.device)
-    rows[:, :n] = columns[:, _low_bytes(count)].t()
+    rows[:, :n] = _by_significance(_low_bytes(columns, count)).t()
     return rows
 
 
@@ -191,7 +197,7 @@ def unpack_bits(packed: Tensor, n: int, bits: int) -> Tensor:
             out[m:] = tail.to(torch.uint8)
         return out
     out = torch.zeros(n, dtype=torch.int64, device=device)
-    out.view(torch.uint8).view(n, 8)[:m, _low_bytes(rows.shape[0])] = rows.t()
+    _low_bytes(out.view(torch.uint8).view(n, 8)[:m], rows.shape[0]).copy_(_by_significance(rows.t()))
     if tail is not None:
         out[m:] = tail
     return out

@@ -15,8 +15,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_clapping import schedule as schedules
-from lightning_clapping.channel import FLAG_REQUIRES_GRAD, Part, PeerChannel, WireError, message_nbytes, pack, unpack
+from lightning_clapping.channel import (
+    FLAG_REQUIRES_GRAD, Part, PeerChannel, WireError, exchange, message_nbytes, pack, unpack
+)
 from lightning_clapping.feedback import MessageRule, StepContext
+from lightning_clapping.p2p import P2PQueue
 from lightning_clapping.stage import SplitError, StageExit, StageRunner, check_finite
 
 PURPOSE_TRAIN_FWD = 1
@@ -90,12 +93,22 @@ class PipelineExecutor:
         self.device = device
         self.first_step = True
         self.prepost = prepost
+        if prepost and not _matches_by_tag(group, device):
+            raise ValueError(
+                "prepost_receives=True posts a step's receives ahead and needs a backend that matches messages by "
+                "tag (gloo); NCCL matches point-to-point messages by their order only. Leave prepost_receives unset "
+                "(or False) under NCCL."
+            )
+        #: every point-to-point operation of this rank, issued in groups (see :func:`schedule.with_exchanges`)
+        self.queue = P2PQueue(ordered=not prepost, timeout=timeout)
+        #: messages produced by the last action, (first, after) operations each, sent in the next exchange
+        self._outbox: dict[schedules.Message, tuple[list[dist.P2POp], list[dist.P2POp]]] = {}
         s, n = self.stage, self.num_stages
 
         def chan(peer_stage: int, purpose: int) -> PeerChannel | None:
             if not 0 <= peer_stage < n:
                 return None
-            return PeerChannel(rank_of_stage(peer_stage), purpose, device, group, prepost, timeout)
+            return PeerChannel(rank_of_stage(peer_stage), purpose, device, group, prepost, timeout, queue=self.queue)
 
         self.fwd_out, self.fwd_in = chan(s + 1, PURPOSE_TRAIN_FWD), chan(s - 1, PURPOSE_TRAIN_FWD)
         self.bwd_out, self.bwd_in = chan(s - 1, PURPOSE_TRAIN_BWD), chan(s + 1, PURPOSE_TRAIN_BWD)
@@ -144,7 +157,8 @@ class PipelineExecutor:
         """
         ctx = ctx or StepContext()
         n = len(microbatches)
-        plan = self.schedule_fn(self.num_stages, n)[self.stage]
+        schedule = self.schedule_fn(self.num_stages, n)
+        plan = schedule[self.stage]
         carry = self.step_results and self.num_stages > 1
         if carry and self.is_last and results is None:
             raise ValueError("step_results=True: the last stage's train_step needs the results callback")
@@ -153,12 +167,13 @@ class PipelineExecutor:
         self._compute_s = 0.0
         stats = StepStats()
         if self.prepost:
-            for j in range(n):
-                self._post(self.fwd_in, "fwd_in", j, ctx)
-                self._post(self.bwd_in, "bwd_in", j, ctx)
+            self._prepost([(self.fwd_in, "fwd_in"), (self.bwd_in, "bwd_in")], n, ctx)
         saved: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         outputs: dict[int, Any] = {}
-        for action in plan:
+        for action in schedules.with_exchanges(schedule)[self.stage]:
+            if isinstance(action, schedules.Exchange):
+                self._exchange(action, ctx, training=True)
+                continue
             j = action.microbatch
             if action.kind == "F":
                 received: list[Tensor] = []
@@ -197,7 +212,7 @@ class PipelineExecutor:
                             self.results = results([outputs[i] for i in sorted(outputs)])
                         attached = self.results
                     self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats, attached)
-        self._flush()
+        self._finish()
         self.first_step = False
         stats.compute_s = self._compute_s
         self._collect(stats)
@@ -210,18 +225,21 @@ class PipelineExecutor:
         ctx = ctx or StepContext()
         n = len(microbatches)
         if self.prepost:
-            for j in range(n):
-                self._post(self.eval_in, "eval_in", j, ctx)
+            self._prepost([(self.eval_in, "eval_in")], n, ctx)
         outputs = []
         stats = StepStats()
-        for j in range(n):
+        for action in schedules.with_exchanges(schedules.forward_only(self.num_stages, n))[self.stage]:
+            if isinstance(action, schedules.Exchange):
+                self._exchange(action, ctx, training=False)
+                continue
+            j = action.microbatch
             out = self._forward(microbatches[j], j, step_fn, self.eval_in, "eval_in", ctx, None, None)
             if self.is_last:
                 outputs.append(out)
             else:
                 self._check_output(out, "eval_out", j)
                 self._send(self.eval_out, "eval_out", j, out, ctx, stats)
-        self._flush()
+        self._finish()
         return outputs
 
     # ------------------------------------------------------------------ pieces
@@ -268,9 +286,28 @@ class PipelineExecutor:
         """The key under which both ends predict a message's size: the rule's wire form and the slot's size."""
         return (self.rules[rule_name].mode(j, ctx), ctx.sizes[j] if ctx.sizes is not None else None)
 
-    def _post(self, chan: PeerChannel | None, rule_name: str, j: int, ctx: StepContext) -> None:
-        if chan is not None:
-            chan.post(j, self._mode(rule_name, j, ctx))
+    def _prepost(self, receivers: list[tuple[PeerChannel | None, str]], n: int, ctx: StepContext) -> None:
+        """Post every receive of the step at once, in one group (matched by tag: gloo)."""
+        ops = [chan.recv_op(j, self._mode(rule_name, j, ctx))
+               for chan, rule_name in receivers if chan is not None for j in range(n)]
+        self.queue.issue([op for op in ops if op is not None])
+
+    def _exchange(self, step: schedules.Exchange, ctx: StepContext, training: bool) -> None:
+        """Issue the messages the previous action produced with the receive the next action needs (see
+        :func:`lightning_clapping.channel.exchange`)."""
+        sends = []
+        for m in step.sends:
+            try:
+                sends.append(self._outbox.pop(m))
+            except KeyError:
+                raise RuntimeError(f"stage {self.stage}: the schedule sends {m}, which was never produced") from None
+        receives = []
+        for m in step.recvs:
+            rule_name = ("fwd_in" if m.direction == "fwd" else "bwd_in") if training else "eval_in"
+            chan, j = getattr(self, rule_name), m.microbatch
+            receives.append((chan, j, self._mode(rule_name, j, ctx),
+                             _name_message(self.rules[rule_name], rule_name, j, chan.peer)))
+        exchange(self.queue, sends, receives)
 
     def _send(self, chan: PeerChannel, rule_name: str, j: int, tensors: list[Tensor], ctx: StepContext,
               stats: StepStats, attached: bytes | None = None) -> None:
@@ -283,7 +320,10 @@ class PipelineExecutor:
             parts.append(_results_part(attached))
             stats.control_bytes += parts[-1].payload.numel()
         before = chan.bytes_sent
-        chan.send(j, pack(parts, self.device), mode)
+        # sent in the next exchange, with the receive the next action needs (see schedule.with_exchanges)
+        back = rule_name == "bwd_out"
+        message = schedules.Message("bwd" if back else "fwd", self.stage, self.stage + (-1 if back else 1), j)
+        self._outbox[message] = chan.send_ops(j, pack(parts, self.device), mode)
         # what an uncompressed message would take: fp32 floats, the same step results
         raw = message_nbytes([(tuple(t.shape), t.numel() * (4 if t.dtype.is_floating_point else t.element_size()))
                               for t in tensors] + ([((parts[-1].payload.numel(),), parts[-1].payload.numel())]
@@ -297,8 +337,7 @@ class PipelineExecutor:
         from lightning_clapping.feedback import CODEC, FULL, RAW, SKIP  # the wire forms (codec ids) a rule decodes
 
         rule = self.rules[rule_name]
-        where = (f"boundary {rule.boundary}, {'backward' if rule.direction == 'bwd' else 'forward'}"
-                 f"{' (evaluation)' if rule_name == 'eval_in' else ''}, micro-batch {j}, from rank {chan.peer}")
+        where = _name_message(rule, rule_name, j, chan.peer)
         msg = chan.recv(j, self._mode(rule_name, j, ctx), where)
         known = (RAW, CODEC, FULL, SKIP, ATTACHMENT) if with_results else (RAW, CODEC, FULL, SKIP)
         parts = unpack(msg, known_codecs=known, where=where)
@@ -306,10 +345,13 @@ class PipelineExecutor:
             self.results = _results_of(parts, where)
         return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
 
-    def _flush(self) -> None:
-        for chan in (self.fwd_out, self.bwd_out, self.eval_out):
-            if chan is not None:
-                chan.flush()
+    def _finish(self) -> None:
+        """Wait for every operation of the step; refuse a message that was produced but never sent."""
+        self.queue.flush()
+        if self._outbox:
+            left = sorted(map(repr, self._outbox))
+            self._outbox.clear()
+            raise RuntimeError(f"stage {self.stage}: messages {left} were produced but the schedule never sent them")
 
     def _collect(self, stats: StepStats) -> None:
         for name in ("fwd_out", "bwd_out"):
@@ -329,20 +371,44 @@ class PipelineExecutor:
 
 
 class _frozen_rng:
-    """Seed torch's RNG for one micro-batch's forward and restore the surrounding stream afterwards."""
+    """Seed torch's RNG for one micro-batch's forward and restore the surrounding streams afterwards.
+
+    Both the CPU generator and, on a CUDA device, that device's own generator (where dropout on the GPU draws from)
+    are seeded and restored; the generators of other devices are left alone.
+    """
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.seed = seed
-        self.devices = [device] if device.type == "cuda" else []
+        self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
 
     def __enter__(self):
-        self._fork = torch.random.fork_rng(devices=self.devices)
-        self._fork.__enter__()
-        torch.manual_seed(self.seed)
+        self._cpu_state = torch.get_rng_state()
+        torch.random.default_generator.manual_seed(self.seed)
+        if self.cuda:
+            self._cuda_state = torch.cuda.get_rng_state(self.index)
+            with torch.cuda.device(self.index):
+                torch.cuda.manual_seed(self.seed)
         return self
 
     def __exit__(self, *exc):
-        return self._fork.__exit__(*exc)
+        torch.set_rng_state(self._cpu_state)
+        if self.cuda:
+            torch.cuda.set_rng_state(self._cuda_state, self.index)
+        return False
+
+
+def _name_message(rule: MessageRule, rule_name: str, j: int, peer: int) -> str:
+    """How errors name a received message, e.g. "boundary 1, backward, micro-batch 3, from rank 2"."""
+    return (f"boundary {rule.boundary}, {'backward' if rule.direction == 'bwd' else 'forward'}"
+            f"{' (evaluation)' if rule_name == 'eval_in' else ''}, micro-batch {j}, from rank {peer}")
+
+
+def _matches_by_tag(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether point-to-point messages on ``device`` are matched by tag: not under NCCL, which matches by order."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return True
+    return "nccl" not in str(dist.get_backend(group)).lower()
 
 
 def _results_part(blob: bytes) -> Part:

@@ -158,3 +158,135 @@ def _outgoing(a: Action, s: int, n: int) -> tuple | None:
         return ("bwd", s, s - 1, a.microbatch)
     return None
 
+
+
+# ---------------------------------------------------------------------------------------------- grouped messages
+@dataclass(frozen=True)
+class Exchange:
+    """Messages a stage issues together, as one ``torch.distributed.batch_isend_irecv``, between two actions."""
+
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+def _incoming(a: Action, s: int, n: int) -> Message | None:
+    if a.kind == "F" and s > 0:
+        return Message("fwd", s - 1, s, a.microbatch)
+    if a.kind == "B" and s < n - 1:
+        return Message("bwd", s + 1, s, a.microbatch)
+    return None
+
+
+def with_exchanges(schedule: list[list[Action]]) -> list[list[Action | Exchange]]:
+    """Each stage's actions with the groups of messages it issues between them.
+
+    Before action ``i`` one exchange holds what action ``i - 1`` sends and what action ``i`` receives; after the last
+    action one holds what it sends (empty exchanges are left out). So a send is issued with the stage's next receive,
+    as ``torch.distributed.pipelining`` fuses them: in 1F1B's steady state a stage's forward output to the next stage
+    travels with the gradient it expects back from it, and its input gradient to the previous stage with the next
+    activation it expects from it, so two neighbours that both send before they receive have the operations the
+    other waits for in one group. The one exception: when the peer can produce the expected message only after it
+    has consumed the sent one (GPipe's last forward and first backward), the send goes first, in an exchange of its
+    own, because a resize (see :func:`simulate_exchanges`) delays the message until its exchange has completed.
+    :func:`simulate_exchanges` checks that none of this can deadlock under NCCL's semantics.
+    """
+    n = len(schedule)
+    position = [{a: i for i, a in enumerate(actions)} for actions in schedule]
+
+    def depends(received: Message, sent: Message) -> bool:
+        """Whether ``received`` is produced by ``sent``'s receiver after it has consumed ``sent``."""
+        if received.src != sent.dst:
+            return False
+        peer = position[sent.dst]
+        produce = Action("F" if received.direction == "fwd" else "B", received.microbatch)
+        consume = Action("F" if sent.direction == "fwd" else "B", sent.microbatch)
+        return peer[produce] > peer[consume]
+
+    out: list[list[Action | Exchange]] = []
+    for s, actions in enumerate(schedule):
+        steps: list[Action | Exchange] = []
+        pending: tuple[Message, ...] = ()
+        for a in actions:
+            incoming = _incoming(a, s, n)
+            recvs = (incoming,) if incoming is not None else ()
+            if recvs and any(depends(recvs[0], m) for m in pending):
+                steps.append(Exchange(pending, ()))
+                pending = ()
+            if pending or recvs:
+                steps.append(Exchange(pending, recvs))
+            steps.append(a)
+            sent = _outgoing(a, s, n)
+            pending = (Message(*sent),) if sent is not None else ()
+        if pending:
+            steps.append(Exchange(pending, ()))
+        out.append(steps)
+    return out
+
+
+def simulate_exchanges(steps: list[list[Action | Exchange]], resized: frozenset[Message] = frozenset()) -> int:
+    """Run each stage's exchanges under NCCL's semantics; return the number of rounds it took.
+
+    The model: a stage issues a group of operations only once its previous group has completed; a group completes
+    when each of its operations has met its peer's (a send waits for the receive, a receive for the send); the k-th
+    message from one stage to another meets the k-th receive the other posts from it (tags are ignored).
+
+    A message in ``resized`` changes size: its sender sends a resize message in the exchange and the message itself
+    in a follow-up group issued right after the exchange completes; its receiver receives the resize in the
+    exchange, and the message in its own follow-up group (it learns of the resize only when the exchange has
+    completed). One follow-up group holds both the stage's delayed messages and its second receives: that is what
+    keeps two neighbours that resize towards each other at once from both waiting on a lone send.
+
+    Raises ``RuntimeError`` on a deadlock, or when the two ends' orders pair different messages.
+    """
+    Op = tuple[bool, tuple[int, int], tuple]  # noqa: N806  (is a send, (from, to), what it carries)
+    groups: list[list[list[Op]]] = []
+    for row in steps:
+        mine: list[list[Op]] = []
+        for step in row:
+            if not isinstance(step, Exchange):
+                continue
+            ops: list[Op] = []
+            follow: list[Op] = []
+            for is_send, batch in ((True, step.sends), (False, step.recvs)):
+                for m in batch:
+                    link = (m.src, m.dst)
+                    if m in resized:
+                        ops.append((is_send, link, ("resize", m)))
+                        follow.append((is_send, link, ("message", m)))
+                    else:
+                        ops.append((is_send, link, ("message", m)))
+            mine.append(ops)
+            if follow:
+                mine.append(follow)
+        groups.append(mine)
+    # the k-th send from a to b meets the k-th receive at b from a
+    place: dict[tuple[bool, tuple[int, int], int], tuple[int, int, tuple]] = {}
+    seen: dict[tuple[bool, tuple[int, int]], int] = {}
+    for s, mine in enumerate(groups):
+        for g, ops in enumerate(mine):
+            for is_send, link, label in ops:
+                k = seen.get((is_send, link), 0)
+                seen[(is_send, link)] = k + 1
+                place[(is_send, link, k)] = (s, g, label)
+    peers: list[list[list[tuple[int, int]]]] = [[[] for _ in mine] for mine in groups]
+    for (is_send, link, k), (s, g, label) in place.items():
+        other = place.get((not is_send, link, k))
+        if other is None:
+            raise RuntimeError(f"stage {s} {'sends' if is_send else 'receives'} {label} and nothing meets it")
+        if other[2] != label:
+            raise RuntimeError(f"by their order, {label} meets {other[2]} between stages {link[0]} and {link[1]}")
+        peers[s][g].append(other[:2])
+    active = [0] * len(groups)  # index of the group each stage has issued and waits for
+    rounds = 0
+    while any(active[s] < len(groups[s]) for s in range(len(groups))):
+        rounds += 1
+        progressed = False
+        for s in range(len(groups)):
+            g = active[s]
+            if g < len(groups[s]) and all(active[ps] >= pg for ps, pg in peers[s][g]):  # every peer op is issued
+                active[s] += 1
+                progressed = True
+        if not progressed:
+            state = {s: groups[s][active[s]] for s in range(len(groups)) if active[s] < len(groups[s])}
+            raise RuntimeError(f"deadlock: stages wait in the groups {state}")
+    return rounds

@@ -74,3 +74,40 @@ def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) 
             p.kill()
     return items, [p.exitcode for p in procs]
 
+
+
+class RecordingQueue:
+    """Stands in for a channel's P2PQueue where there is no process group: every operation completes at once, and
+    the sizes of the receives issued are recorded in :attr:`received`."""
+
+    ordered = False
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def issue(self, ops) -> None:
+        self.received += [op.tensor.numel() for op in ops if not op.send]
+
+    def wait(self, op) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def pending(self) -> bool:
+        return False
+
+
+def channel_holding(msg, **kw):
+    """A receiving PeerChannel (peer rank 1, no process group) whose posted receive for slot 0 holds ``msg``.
+    Returns it and the list of the sizes of the receives it issues afterwards."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_clapping.channel import PeerChannel
+
+    chan = PeerChannel(1, purpose=2, device=torch.device("cpu"), queue=RecordingQueue(), **kw)
+    chan._op = lambda send, tensor, tag: SimpleNamespace(send=send, tensor=tensor, tag=tag)
+    chan._posted[0] = (chan._op(False, msg, 0), msg, None)
+    return chan, chan.queue.received

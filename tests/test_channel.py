@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_gloo_ranks
+from conftest import channel_holding, run_gloo_ranks
 from lightning_clapping.channel import (
     HEADER_BYTES,
     KIND_RESIZE,
@@ -80,7 +80,8 @@ def _forged_resizes(rank, out):
     chan = PeerChannel(1 - rank, purpose=2, device=torch.device("cpu"))
     if rank == 0:
         for slot, announced in ((0, 8), (1, 2**63)):
-            chan._isend(resize_message(announced, HEADER_BYTES, torch.device("cpu")), chan._tag(slot, False))
+            forged = resize_message(announced, HEADER_BYTES, torch.device("cpu"))
+            chan.queue.issue([chan._send_op(forged, chan._tag(slot, False))])
         chan.send(2, pack([Part(0, torch.float32, (2,), raw_bytes(torch.tensor([1.0, 2.0])))]))
         chan.flush()
     else:
@@ -188,24 +189,10 @@ def test_the_expected_number_of_parts_is_checked():
     assert len(unpack(_message(), expected_parts=1)) == 1
 
 
-class _Done:
-    def wait(self, *timeout):
-        return True
-
-
-def _resize_receiver(monkeypatch, announced, nparts=0, **kw):
+def _resize_receiver(announced, nparts=0, **kw):
     """A receiving channel whose posted receive for slot 0 already holds a resize message announcing ``announced``."""
-    chan = PeerChannel(1, purpose=2, device=torch.device("cpu"), **kw)
     msg = _poke(resize_message(0, HEADER_BYTES, torch.device("cpu")), 8, struct.pack("<Q", announced))
-    chan._posted[0] = (_Done(), _poke(msg, 4, struct.pack("<H", nparts)), None)
-    received = []
-
-    def irecv(buf, src, group, tag):
-        received.append(buf.numel())
-        return _Done()
-
-    monkeypatch.setattr(dist, "irecv", irecv)
-    return chan, received
+    return channel_holding(_poke(msg, 4, struct.pack("<H", nparts)), **kw)
 
 
 @pytest.mark.parametrize(
@@ -214,18 +201,18 @@ def _resize_receiver(monkeypatch, announced, nparts=0, **kw):
      (4096, 0, 4088), (64, 1, None)],
 )
 def test_a_resize_announcing_an_impossible_length_raises_before_anything_is_allocated_or_received(
-    monkeypatch, announced, nparts, cap
+    announced, nparts, cap
 ):
-    chan, received = _resize_receiver(monkeypatch, announced, nparts, max_message_bytes=cap)
+    chan, received = _resize_receiver(announced, nparts, max_message_bytes=cap)
     with pytest.raises(WireError, match=f"^{WHERE}: resize message announces {announced} bytes"):
         chan.recv(0, where=WHERE)
     assert received == []
 
 
-def test_a_resize_within_bounds_receives_the_announced_length(monkeypatch):
-    chan, received = _resize_receiver(monkeypatch, 4096, max_message_bytes=4096)
+def test_a_resize_within_bounds_receives_the_announced_length():
+    chan, received = _resize_receiver(4096, max_message_bytes=4096)
     assert chan.recv(0).numel() == 4096 and received == [4096]
-    chan, _ = _resize_receiver(monkeypatch, 2**63)
+    chan, _ = _resize_receiver(2**63)
     with pytest.raises(WireError, match="^slot 0 from rank 1: resize"):  # the default names slot and peer
         chan.recv(0)
 

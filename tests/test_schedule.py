@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_clapping.schedule import Action, forward_only, get_schedule, gpipe, messages, one_f_one_b, simulate
+from lightning_clapping.schedule import (
+    Action,
+    Exchange,
+    Message,
+    forward_only,
+    get_schedule,
+    gpipe,
+    messages,
+    one_f_one_b,
+    simulate,
+    simulate_exchanges,
+    with_exchanges,
+)
 
 PAIRS = [(s, m) for s in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 
@@ -61,3 +73,79 @@ def test_simulator_detects_a_deadlock():
 def test_unknown_schedule_name_is_refused():
     with pytest.raises(ValueError, match="unknown schedule"):
         get_schedule("zigzag")
+
+
+# ---------------------------------------------------------------------------------------------- grouped messages
+def _all_messages(schedule):
+    return [m for row in messages(schedule)[0] for m in row]
+
+
+def _resize_patterns(schedule, count=12):
+    """No resize, every message resized, and ``count`` random subsets (fixed seed)."""
+    import random
+
+    rng = random.Random(len(schedule) * 100 + len(schedule[0]))
+    msgs = _all_messages(schedule)
+    return [frozenset(), frozenset(msgs)] + [frozenset(m for m in msgs if rng.random() < 0.5) for _ in range(count)]
+
+
+GROUP_PAIRS = [(s, m) for s in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8)]
+
+
+@pytest.mark.parametrize("build", [gpipe, one_f_one_b, forward_only])
+@pytest.mark.parametrize(("stages", "micro"), GROUP_PAIRS)
+def test_grouped_messages_cannot_deadlock_under_nccl_semantics_whatever_resizes(build, stages, micro):
+    schedule = build(stages, micro)
+    steps = with_exchanges(schedule)
+    assert [[a for a in row if isinstance(a, Action)] for row in steps] == schedule  # only exchanges are added
+    for resized in _resize_patterns(schedule):
+        simulate_exchanges(steps, resized)
+
+
+def _one_message_per_group(schedule):
+    """Every receive and every send in a group of its own, in schedule order (what blocking calls amount to)."""
+    n = len(schedule)
+    out = []
+    for s, actions in enumerate(schedule):
+        row = []
+        for a in actions:
+            sends, recvs = messages([actions if t == s else [] for t in range(n)])
+            incoming = [m for m in recvs[s] if m.microbatch == a.microbatch and (m.direction == "fwd") == (a.kind == "F")]
+            outgoing = [m for m in sends[s] if m.microbatch == a.microbatch and (m.direction == "fwd") == (a.kind == "F")]
+            row += [Exchange((), tuple(incoming))] if incoming else []
+            row += [a] + ([Exchange(tuple(outgoing), ())] if outgoing else [])
+        out.append(row)
+    return out
+
+
+def test_the_nccl_model_finds_the_deadlock_of_one_message_per_group():
+    # 1F1B's stage 0 sends F1's output while stage 1 sends B0's gradient: both wait for a receive never posted
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_exchanges(_one_message_per_group(one_f_one_b(2, 2)))
+    simulate_exchanges(_one_message_per_group(gpipe(2, 2)))  # GPipe's sends never cross
+
+
+def test_fusing_a_send_with_a_receive_that_depends_on_it_deadlocks_when_the_message_is_resized():
+    # GPipe: stage 0's last forward output and the first gradient back in one group (the unsplit rule)
+    f1, b0 = Message("fwd", 0, 1, 1), Message("bwd", 1, 0, 0)
+    fused = [[Action("F", 0), Exchange((Message("fwd", 0, 1, 0),), ()), Action("F", 1), Exchange((f1,), (b0,)),
+              Action("B", 0), Exchange((), (Message("bwd", 1, 0, 1),)), Action("B", 1)],
+             with_exchanges(gpipe(2, 2))[1]]
+    simulate_exchanges(fused)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_exchanges(fused, frozenset({f1}))
+    assert Exchange((f1,), ()) in with_exchanges(gpipe(2, 2))[0]  # what with_exchanges does instead
+
+
+def test_1f1b_issues_every_send_of_a_middle_stage_with_a_receive_but_the_last():
+    steps = with_exchanges(one_f_one_b(3, 6))[1]
+    fused = [s for s in steps if isinstance(s, Exchange) and s.sends and s.recvs]
+    assert len(fused) == 11 and steps[-1] == Exchange((Message("bwd", 1, 0, 5),), ())  # 12 sends: 6 fwd, 6 bwd
+
+
+def test_the_nccl_model_refuses_orders_that_pair_different_messages():
+    a, b = Message("fwd", 0, 1, 0), Message("fwd", 0, 1, 1)
+    swapped = [[Action("F", 0), Exchange((a,), ()), Action("F", 1), Exchange((b,), ())],
+               [Exchange((), (b,)), Action("F", 1), Exchange((), (a,)), Action("F", 0)]]
+    with pytest.raises(RuntimeError, match="by their order"):
+        simulate_exchanges(swapped)

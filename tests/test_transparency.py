@@ -44,6 +44,16 @@ def test_pipeline_gradients_equal_single_process_for_gpipe_and_1f1b(tmp_path, ki
         _assert_same(grads, ref)
 
 
+def test_pipeline_gradients_equal_single_process_with_messages_matched_by_order(tmp_path):
+    """prepost_receives=False is how the pipeline runs under NCCL: no receive posted ahead, no tags, one group of
+    messages after the other. On gloo it runs the same way; the first step resizes every slot both ways."""
+    launch("grad_check.py", "mlp", "4", str(tmp_path), "--ordered", cwd=tmp_path)
+    ref = reference_gradients("mlp")
+    for sched in ("gpipe", "1f1b"):
+        grads, _ = _merged(tmp_path, sched, 4)
+        _assert_same(grads, ref)
+
+
 def test_each_rank_materializes_only_its_stage_parameters(tmp_path):
     launch("grad_check.py", "gpt", "3", str(tmp_path), "--schedules", "1f1b", cwd=tmp_path)
     _, infos = _merged(tmp_path, "1f1b", 3)

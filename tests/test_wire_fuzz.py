@@ -12,19 +12,18 @@ import struct
 
 import pytest
 import torch
-import torch.distributed as dist
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conftest import channel_holding  # noqa: E402
 from lightning_clapping.channel import (  # noqa: E402
     DTYPE_CODE,
     HEADER_BYTES,
     KNOWN_FLAGS,
     MAX_NDIM,
     Part,
-    PeerChannel,
     WireError,
     pack,
     resize_message,
@@ -145,11 +144,6 @@ def test_corrupted_truncated_or_extended_messages_raise_only_wire_error(parts, d
 
 
 # ------------------------------------------------------------------- (c) resize messages and the size cap
-class _Done:
-    def wait(self, *timeout):
-        return True
-
-
 @settings(max_examples=300, deadline=None, database=None)
 @given(
     announced=st.one_of(st.integers(0, 4096), st.integers(0, 2**64 - 1), st.sampled_from([8, 15, 2**63])),
@@ -157,25 +151,14 @@ class _Done:
     cap=st.integers(HEADER_BYTES, 4096),
 )
 def test_a_resize_receives_only_an_announced_length_in_bounds(announced, nparts, cap):
-    chan = PeerChannel(1, purpose=1, device=torch.device("cpu"), max_message_bytes=cap)
     msg = resize_message(0, HEADER_BYTES, torch.device("cpu"))
     msg[4:16] = _tensor(struct.pack("<HHQ", nparts, 0, announced))
-    chan._posted[0] = (_Done(), msg, None)
-    received = []
-
-    def irecv(buf, src, group, tag):
-        received.append(buf.numel())
-        return _Done()
-
-    real_irecv, dist.irecv = dist.irecv, irecv  # hypothesis runs many examples per test: no monkeypatch fixture
+    chan, received = channel_holding(msg, max_message_bytes=cap)
     try:
-        try:
-            got = chan.recv(0, where=WHERE)
-        except WireError as e:
-            assert str(e).startswith(f"{WHERE}: resize message announces {announced} bytes")
-            assert received == []  # refused before allocating or posting anything
-            return
-    finally:
-        dist.irecv = real_irecv
+        got = chan.recv(0, where=WHERE)
+    except WireError as e:
+        assert str(e).startswith(f"{WHERE}: resize message announces {announced} bytes")
+        assert received == []  # refused before allocating or posting anything
+        return
     assert nparts == 0 and HEADER_BYTES <= announced <= cap and announced % 8 == 0
     assert received == [announced] and got.numel() == announced

@@ -1,6 +1,10 @@
-"""One training step through ClappingStrategy; each rank saves the gradients it computed.
+"""Training steps on one full batch through ClappingStrategy; each rank saves the gradients of the last step and
+the weights of its stage after the last step.
 
-python grad_check.py KIND DEVICES OUT [--schedules gpipe,1f1b] [--microbatches 4] [--auto] [--clip V]
+python grad_check.py KIND DEVICES OUT [--schedules gpipe,1f1b] [--microbatches 4] [--auto] [--steps 1]
+                     [--accelerator cpu] [--ordered]
+
+--ordered: no receives posted ahead (prepost_receives=False): messages matched by order, as under NCCL.
 """
 
 import argparse
@@ -49,6 +53,9 @@ def main():
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--auto", action="store_true")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--accelerator", default="cpu")
+    ap.add_argument("--ordered", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     for sched in args.schedules.split(","):
@@ -56,13 +63,16 @@ def main():
         cb = SaveGrads()
         split = None if args.auto else SPLITS[args.kind][args.devices]
         strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=args.microbatches,
-                                                       schedule=sched)
-        trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=1, logger=False,
+                                                       schedule=sched, prepost_receives=False if args.ordered else None)
+        trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
+                            max_steps=args.steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             num_sanity_val_steps=0, callbacks=[cb])
         data = TreeDataset(batch)
         trainer.fit(model, DataLoader(data, batch_size=len(data)))
-        torch.save({"grads": cb.grads, "param_bytes": cb.param_bytes, "stage": strategy.stage,
+        weights = {n: p.detach().cpu() for n, p in model.named_parameters() if p.device.type != "meta"}
+        torch.save({"grads": {n: g.cpu() for n, g in cb.grads.items()}, "weights": weights,
+                    "param_bytes": cb.param_bytes, "stage": strategy.stage,
                     "stage_params": strategy.partition.stage_params},
                    out / f"{sched}_rank{trainer.global_rank}.pt")
 

@@ -1,13 +1,14 @@
 """Compressed training with lazy sampling, uninterrupted or stopped and resumed; rank 0 saves the losses.
 
-python resume_run.py OUT MODE [VARIANT [STATE_DICT_TYPE]]
+python resume_run.py OUT MODE [VARIANT [STATE_DICT_TYPE]] [--accelerator cpu] [--devices 3]
     MODE: full (14 steps) | first (8 steps, then a checkpoint) | rest (resume to 14)
     VARIANT: clapping-fc (default; lazy sampling, p=0.5) | uncompressed (every batch fresh: p=1)
     STATE_DICT_TYPE: full (default) | sharded
+    --devices: 3 stages (default) or 2
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -32,7 +33,10 @@ class Losses(L.Callback):
         self.rows.append([float(loss), None, None])
 
 
-def main(out, mode, variant="clapping-fc", state_dict_type="full"):
+SPLITS = {2: ["net.4"], 3: ["net.2", "net.4"]}
+
+
+def main(out, mode, variant="clapping-fc", state_dict_type="full", accelerator="cpu", devices=3):
     torch.manual_seed(0)
     model = SequentialMLP(optimizer="adam", lr=0.01)
     x, y = classification_data(n=80, seed=1)
@@ -40,12 +44,12 @@ def main(out, mode, variant="clapping-fc", state_dict_type="full"):
     # the lazy-sampling wrapper also makes the loader resumable mid-epoch (a plain DataLoader is not, in Lightning)
     p = 1.0 if variant == "uncompressed" else 0.5
     data = lightning_clapping.LazySamplingDataModule(loader, p=p, seed=7)
-    strategy = lightning_clapping.ClappingStrategy(split_points=["net.2", "net.4"], microbatches=4,
+    strategy = lightning_clapping.ClappingStrategy(split_points=SPLITS[devices], microbatches=4,
                                                    variant=variant, forward_codec="q4", backward_codec="q8",
                                                    state_dict_type=state_dict_type)
     losses = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=8 if mode == "first" else 14,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy,
+                        max_steps=8 if mode == "first" else 14, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[losses])
     ckpt = out / f"mid_{variant}_{state_dict_type}.ckpt"
     trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if mode == "rest" else None)
@@ -56,4 +60,12 @@ def main(out, mode, variant="clapping-fc", state_dict_type="full"):
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), *sys.argv[2:])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("mode", choices=["full", "first", "rest"])
+    ap.add_argument("variant", nargs="?", default="clapping-fc")
+    ap.add_argument("state_dict_type", nargs="?", default="full")
+    ap.add_argument("--accelerator", default="cpu")
+    ap.add_argument("--devices", type=int, default=3, choices=sorted(SPLITS))
+    args = ap.parse_args()
+    main(args.out, args.mode, args.variant, args.state_dict_type, args.accelerator, args.devices)
