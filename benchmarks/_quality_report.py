@@ -472,8 +472,10 @@ def plot_frontier(aggs: list[dict], front: dict[str, dict], out: Path) -> list[s
         ax.set_xlabel("fewer bytes than uncompressed (x, log)")
         ax.set_ylabel(t.metric_label)
         ax.grid(alpha=0.3, which="both")
-        ax.set_title(f"{t.title}: quality against compression ({mine[0]['seeds']} seed(s), error bars: std over "
-                     f"seeds)")
+        seeds = sorted({a["seeds"] for a in mine})
+        seeds_s = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+        ax.set_title(f"{t.title}\nquality against compression ({seeds_s} seed(s) per point, error bars: std over "
+                     f"seeds)", fontsize=10)
         fig.tight_layout()
         path = out / f"quality_frontier_{task}.png"
         fig.savefig(path, dpi=110)
