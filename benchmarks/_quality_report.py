@@ -221,6 +221,13 @@ def evaluate_targets(aggs: list[dict]) -> list[dict]:
     return out
 
 
+def _beats(a: dict, b: dict) -> bool:
+    """``a`` saves at least as many bytes as ``b`` and loses at most as much quality, and is better in one."""
+    ra, rb = a["bytes_ratio"], b["bytes_ratio"]
+    da, db = a["deficit_vs_uncompressed"], b["deficit_vs_uncompressed"]
+    return ra >= rb and da <= db and (ra > rb or da < db)
+
+
 def frontier(aggs: list[dict]) -> dict[str, dict]:
     """Per task: the configurations no other one beats in both bytes and held-out quality (the Pareto frontier,
     by increasing byte ratio), and the goal of >= ``FC_MIN_RATIO``x fewer bytes than uncompressed within the fc
@@ -231,15 +238,10 @@ def frontier(aggs: list[dict]) -> dict[str, dict]:
         if not mine:
             continue
         tol = TOLERANCE[task][1]
-
-        def beats(a: dict, b: dict) -> bool:
-            ra, rb, da, db = a["bytes_ratio"], b["bytes_ratio"], a["deficit_vs_uncompressed"], b["deficit_vs_uncompressed"]
-            return ra >= rb and da <= db and (ra > rb or da < db)
-
-        on = sorted((a for a in mine if not any(beats(b, a) for b in mine)), key=lambda a: a["bytes_ratio"])
+        on = sorted((a for a in mine if not any(_beats(b, a) for b in mine)), key=lambda a: a["bytes_ratio"])
         rows = [{"config": a["label"], "variant": a["variant"], "p": a["p"], "fwd": a["fwd"], "bwd": a["bwd"],
                  "fresh": a["fresh"], "bytes_ratio": a["bytes_ratio"], "metric_mean": a["metric_mean"],
-                 "metric_std": a["metric_std"], "deficit": a["deficit_vs_uncompressed"],
+                 "metric_std": a["metric_std"], "seeds": a["seeds"], "deficit": a["deficit_vs_uncompressed"],
                  "goal_met": a["bytes_ratio"] >= FC_MIN_RATIO and a["deficit_vs_uncompressed"] <= tol} for a in on]
         at_ratio = [a for a in mine if a["bytes_ratio"] >= FC_MIN_RATIO]
         within = [a for a in mine if a["deficit_vs_uncompressed"] <= tol]
@@ -326,12 +328,15 @@ def frontier_text(front: dict[str, dict]) -> str:
         short = "pt" if unit == "points" else unit
         lines.append(f"\nCompression frontier, {TASKS[task].title} (goal: >= {f['min_ratio']:g}x fewer bytes than "
                      f"uncompressed, within {f['tolerance']:g} {unit}):")
-        head = f"  {'configuration':40} {'codecs (fwd / bwd / fresh)':42} {'x fewer':>8} {'deficit':>10}  goal"
+        head = (f"  {'configuration':36} {'codecs (fwd / bwd / fresh)':42} {TASKS[task].metric + ' (seeds)':>22} "
+                f"{'x fewer':>8} {'deficit':>10}  goal")
         # deficit: how much worse than uncompressed (accuracy points, or percent of its loss); negative is better
         lines += [head, "  " + "-" * (len(head) - 2)]
         for r in f["frontier"]:
             codecs = " / ".join(c or "-" for c in (r["fwd"], r["bwd"], r["fresh"])) if r["fwd"] else "-"
-            lines.append(f"  {r['config']:40} {codecs:42} {r['bytes_ratio']:>8.1f} {r['deficit']:>+7.2f} {short:<2}"
+            metric = f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f} ({r['seeds']})"
+            lines.append(f"  {r['config']:36} {codecs:42} {metric:>22} {r['bytes_ratio']:>8.1f} "
+                         f"{r['deficit']:>+7.2f} {short:<2}"
                          f"  {'met' if r['goal_met'] else 'not met'}")
         best_at, best_within = f["best_at_min_ratio"], f["most_bytes_saved_within_tolerance"]
         verdict = (f"goal met by {', '.join(f['goal_met_by'])}" if f["goal_met_by"] else "goal not met")

@@ -169,7 +169,7 @@ def test_frontier_keeps_the_undominated_configurations_and_judges_the_16x_goal()
 
     def agg(label, ratio, deficit):
         return {"task": "fashion_mnist", "label": label, "variant": label, "p": 1.0, "fwd": "q4", "bwd": "q8",
-                "fresh": None, "bytes_ratio": ratio, "metric_mean": 0.8 - deficit / 100, "metric_std": 0.0,
+                "fresh": None, "bytes_ratio": ratio, "metric_mean": 0.8 - deficit / 100, "metric_std": 0.0, "seeds": 3,
                 "deficit_vs_uncompressed": deficit}
 
     aggs = [agg("uncompressed", 1.0, 0.0), agg("cheap", 5.0, -0.5), agg("goal", 20.0, 1.5),
