@@ -16,6 +16,11 @@ Variants, each at two codec settings (forward / backward codec):
 * moderate:   ``q4`` / ``q8``   (4-bit activations, 8-bit gradients, one fp32 scale per channel)
 * aggressive: ``q2`` / ``q4``   (2-bit activations, 4-bit gradients)
 
+Frontier configurations beyond that grid (``FRONTIER_CONFIGS``), aiming at >= 16x fewer bytes than uncompressed:
+``clapping-fc p=0.25 topk`` (the 10 % largest values, 4-bit, both directions) and ``clapping-fu`` with random 10 %
+of the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 or q3 with fp16 scales) at p = 0.5
+and 0.25. The report draws the bytes-quality frontier of every configuration and judges the 16x goal for each.
+
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
 ``LazySamplingDataModule(p=1)``, which only adds sample ids), ``clapping-fc`` and ``clapping-fu`` at p = 0.5 and
@@ -29,7 +34,8 @@ error-feedback memory (``clapping/feedback_bytes``: both ends of every boundary,
 
 Outputs under ``--out``: ``quality.json`` (settings, machine, raw runs, aggregates, target verdicts),
 ``quality.csv`` (one row per run and one per aggregated configuration), ``quality_<task>.png`` (metric against
-steps and against cumulative bytes), ``quality_runs.jsonl`` (raw runs as they finish, for ``--resume``), and a
+steps and against cumulative bytes), ``quality_frontier_<task>.png`` (final metric against the byte ratio to
+uncompressed, the Pareto frontier and the 16x goal), ``quality_runs.jsonl`` (raw runs as they finish, for ``--resume``), and a
 printed table with the targets.
 
 All runs happen inside ONE launch: Lightning's launcher starts the 4 processes at the first ``fit`` (re-running this
