@@ -35,8 +35,8 @@ error-feedback memory (``clapping/feedback_bytes``: both ends of every boundary,
 Outputs under ``--out``: ``quality.json`` (settings, machine, raw runs, aggregates, target verdicts),
 ``quality.csv`` (one row per run and one per aggregated configuration), ``quality_<task>.png`` (metric against
 steps and against cumulative bytes), ``quality_frontier_<task>.png`` (final metric against the byte ratio to
-uncompressed, the Pareto frontier and the 16x goal), ``quality_runs.jsonl`` (raw runs as they finish, for ``--resume``), and a
-printed table with the targets.
+uncompressed, the Pareto frontier and the 16x goal), ``quality_runs.jsonl`` (raw runs as they finish, for
+``--resume``), and a printed table with the targets and the frontier.
 
 All runs happen inside ONE launch: Lightning's launcher starts the 4 processes at the first ``fit`` (re-running this
 script with the same arguments), and every rank then walks the same list of runs, so the start-up is paid once.
