@@ -294,7 +294,7 @@ def table(aggs: list[dict]) -> str:
                      f"{mine[0]['steps']} steps, {mine[0]['seeds']} seed(s) (mean ± std), bytes summed over all "
                      f"steps, boundaries and directions; 'train s': seconds of training and evaluation per run "
                      f"(set-up excluded; a shared machine's times drift)")
-        head = (f"{'configuration':30} {t.metric:>18} {'vs unc.':>9} {'sent':>10} {'x fewer':>8} "
+        head = (f"{'configuration':34} {t.metric:>18} {'vs unc.':>9} {'sent':>10} {'x fewer':>8} "
                 f"{'samples drawn':>13} {'feedback mem':>12} {'train s':>7}")
         lines += [head, "-" * len(head)]
         for a in mine:
@@ -304,7 +304,7 @@ def table(aggs: list[dict]) -> str:
                 dv_s = f"{-dv:+.2f}pt" if t.higher_is_better else f"{dv:+.2f}%"
             ratio = f"{a['bytes_ratio']:.1f}" if a["bytes_ratio"] else ""
             lines.append(
-                f"{a['label']:30} {_metric_str(a):>18} {dv_s:>9} {_fmt_bytes(a['total_bytes_mean']):>10} "
+                f"{a['label']:34} {_metric_str(a):>18} {dv_s:>9} {_fmt_bytes(a['total_bytes_mean']):>10} "
                 f"{ratio:>8} {a['samples_drawn_mean']:>13.0f} {_fmt_bytes(a['feedback_bytes_final_mean']):>12} "
                 f"{a['fit_seconds_mean']:>7.1f}")
         lines.append("('vs unc.': accuracy points against uncompressed, negative is worse)" if t.higher_is_better
@@ -328,14 +328,14 @@ def frontier_text(front: dict[str, dict]) -> str:
         short = "pt" if unit == "points" else unit
         lines.append(f"\nCompression frontier, {TASKS[task].title} (goal: >= {f['min_ratio']:g}x fewer bytes than "
                      f"uncompressed, within {f['tolerance']:g} {unit}):")
-        head = (f"  {'configuration':36} {'codecs (fwd / bwd / fresh)':42} {TASKS[task].metric + ' (seeds)':>22} "
+        head = (f"  {'configuration':36} {'codecs (fwd / bwd / fresh)':46} {TASKS[task].metric + ' (seeds)':>22} "
                 f"{'x fewer':>8} {'deficit':>10}  goal")
         # deficit: how much worse than uncompressed (accuracy points, or percent of its loss); negative is better
         lines += [head, "  " + "-" * (len(head) - 2)]
         for r in f["frontier"]:
             codecs = " / ".join(c or "-" for c in (r["fwd"], r["bwd"], r["fresh"])) if r["fwd"] else "-"
             metric = f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f} ({r['seeds']})"
-            lines.append(f"  {r['config']:36} {codecs:42} {metric:>22} {r['bytes_ratio']:>8.1f} "
+            lines.append(f"  {r['config']:36} {codecs:46} {metric:>22} {r['bytes_ratio']:>8.1f} "
                          f"{r['deficit']:>+7.2f} {short:<2}"
                          f"  {'met' if r['goal_met'] else 'not met'}")
         best_at, best_within = f["best_at_min_ratio"], f["most_bytes_saved_within_tolerance"]
