@@ -350,6 +350,7 @@ def frontier_text(front: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+_MARKERS = "osD^v<>PXh*p"
 _COLORS = {"uncompressed": "black", "direct": "tab:red", "ef21": "tab:orange", "aqsgd": "tab:purple",
            "clapping-fc": "tab:blue", "clapping-fu": "tab:green"}
 
@@ -368,6 +369,7 @@ def plot(aggs: list[dict], out: Path, grid: tuple[str, ...] = ("moderate", "aggr
         mine = [a for a in aggs if a["task"] == task]
         column = {a["label"]: a["setting"] if a["setting"] in grid else "frontier" for a in mine if a["setting"]}
         settings = list(OrderedDict.fromkeys(column.values())) or [None]
+        all_settings = list(OrderedDict.fromkeys(a["setting"] for a in mine))  # marker order of the frontier plot
         fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 9), squeeze=False)
         for col, setting in enumerate(settings):
             for a in mine:
@@ -378,7 +380,10 @@ def plot(aggs: list[dict], out: Path, grid: tuple[str, ...] = ("moderate", "aggr
                 mean = [p["metric_mean"] for p in c]
                 lo, hi = [p["metric_min"] for p in c], [p["metric_max"] for p in c]
                 mbytes = [p["cum_bytes_mean"] / 2**20 for p in c]
-                style = {"color": _COLORS.get(a["variant"], "gray"), "marker": "o", "markersize": 3,
+                # in the frontier column one variant can appear with several settings: their frontier-plot markers
+                marker = ("o" if setting in grid or a["setting"] is None
+                          else _MARKERS[all_settings.index(a["setting"]) % len(_MARKERS)])
+                style = {"color": _COLORS.get(a["variant"], "gray"), "marker": marker, "markersize": 4,
                          "linestyle": ":" if a["variant"] == "uncompressed" and a["p"] < 1 else
                          "--" if a["variant"].startswith("clapping") and a["p"] < 0.5 else "-",
                          "label": a["label"].replace(f" {setting}", "") if setting in grid else a["label"]}
@@ -405,9 +410,6 @@ def plot(aggs: list[dict], out: Path, grid: tuple[str, ...] = ("moderate", "aggr
         plt.close(fig)
         files.append(str(path))
     return files
-
-
-_MARKERS = "osD^v<>PXh*p"
 
 
 def _setting_label(a: dict) -> str:
