@@ -19,6 +19,7 @@ from _quality_tasks import TASKS
 #: tolerances of the targets, per task: (clapping-fu, clapping-fc at >= 16x); accuracy in points, loss in percent
 TOLERANCE = {"fashion_mnist": (1.0, 2.0), "shakespeare": (2.0, 4.0)}
 FC_MIN_RATIO = 16.0
+SMALL_P = 0.25  # lazy-sampling p drawn hollow in the frontier plot
 
 #: message shapes of one micro-batch per boundary (forward and backward carry the same shape), for the codec bound
 MESSAGE_SHAPES = {
@@ -77,7 +78,7 @@ def aggregate(records: list[dict], order: list[str] | None = None) -> list[dict]
         } for step, pts in by_step.items()]
         aggs.append({
             "task": task, "label": label, "variant": first["variant"], "p": first["p"], "setting": first["setting"],
-            "fwd": first["fwd"], "bwd": first["bwd"], "steps": steps, "seeds": len(runs),
+            "fwd": first["fwd"], "bwd": first["bwd"], "fresh": first.get("fresh"), "steps": steps, "seeds": len(runs),
             "eval_samples": first["eval_samples"],
             "metric_mean": _mean(metrics), "metric_std": _std(metrics),
             "metric_min": min(metrics), "metric_max": max(metrics),
@@ -220,6 +221,44 @@ def evaluate_targets(aggs: list[dict]) -> list[dict]:
     return out
 
 
+def _beats(a: dict, b: dict) -> bool:
+    """``a`` saves at least as many bytes as ``b`` and loses at most as much quality, and is better in one."""
+    ra, rb = a["bytes_ratio"], b["bytes_ratio"]
+    da, db = a["deficit_vs_uncompressed"], b["deficit_vs_uncompressed"]
+    return ra >= rb and da <= db and (ra > rb or da < db)
+
+
+def frontier(aggs: list[dict]) -> dict[str, dict]:
+    """Per task: the configurations no other one beats in both bytes and held-out quality (the Pareto frontier,
+    by increasing byte ratio), and the goal of >= ``FC_MIN_RATIO``x fewer bytes than uncompressed within the fc
+    target's tolerance, for any variant."""
+    out = {}
+    for task in OrderedDict.fromkeys(a["task"] for a in aggs):
+        mine = [a for a in aggs if a["task"] == task and a["bytes_ratio"] and a["deficit_vs_uncompressed"] is not None]
+        if not mine:
+            continue
+        tol = TOLERANCE[task][1]
+        on = sorted((a for a in mine if not any(_beats(b, a) for b in mine)), key=lambda a: a["bytes_ratio"])
+        rows = [{"config": a["label"], "variant": a["variant"], "p": a["p"], "fwd": a["fwd"], "bwd": a["bwd"],
+                 "fresh": a["fresh"], "bytes_ratio": a["bytes_ratio"], "metric_mean": a["metric_mean"],
+                 "metric_std": a["metric_std"], "seeds": a["seeds"], "deficit": a["deficit_vs_uncompressed"],
+                 "goal_met": a["bytes_ratio"] >= FC_MIN_RATIO and a["deficit_vs_uncompressed"] <= tol} for a in on]
+        at_ratio = [a for a in mine if a["bytes_ratio"] >= FC_MIN_RATIO]
+        within = [a for a in mine if a["deficit_vs_uncompressed"] <= tol]
+        best_at = min(at_ratio, key=lambda a: a["deficit_vs_uncompressed"], default=None)
+        best_within = max(within, key=lambda a: a["bytes_ratio"], default=None)
+        out[task] = {
+            "min_ratio": FC_MIN_RATIO, "tolerance": tol, "unit": deficit_unit(task), "frontier": rows,
+            "goal_met_by": [r["config"] for r in rows if r["goal_met"]],
+            "best_at_min_ratio": best_at and {"config": best_at["label"], "bytes_ratio": best_at["bytes_ratio"],
+                                              "deficit": best_at["deficit_vs_uncompressed"]},
+            "most_bytes_saved_within_tolerance": best_within and {
+                "config": best_within["label"], "bytes_ratio": best_within["bytes_ratio"],
+                "deficit": best_within["deficit_vs_uncompressed"]},
+        }
+    return out
+
+
 def sanity_checks(records: list[dict]) -> list[dict]:
     """Plain-data runs get their sample count from the loader's arithmetic: check it against the runs that log it."""
     out = []
@@ -255,7 +294,7 @@ def table(aggs: list[dict]) -> str:
                      f"{mine[0]['steps']} steps, {mine[0]['seeds']} seed(s) (mean ± std), bytes summed over all "
                      f"steps, boundaries and directions; 'train s': seconds of training and evaluation per run "
                      f"(set-up excluded; a shared machine's times drift)")
-        head = (f"{'configuration':30} {t.metric:>18} {'vs unc.':>9} {'sent':>10} {'x fewer':>8} "
+        head = (f"{'configuration':34} {t.metric:>18} {'vs unc.':>9} {'sent':>10} {'x fewer':>8} "
                 f"{'samples drawn':>13} {'feedback mem':>12} {'train s':>7}")
         lines += [head, "-" * len(head)]
         for a in mine:
@@ -265,7 +304,7 @@ def table(aggs: list[dict]) -> str:
                 dv_s = f"{-dv:+.2f}pt" if t.higher_is_better else f"{dv:+.2f}%"
             ratio = f"{a['bytes_ratio']:.1f}" if a["bytes_ratio"] else ""
             lines.append(
-                f"{a['label']:30} {_metric_str(a):>18} {dv_s:>9} {_fmt_bytes(a['total_bytes_mean']):>10} "
+                f"{a['label']:34} {_metric_str(a):>18} {dv_s:>9} {_fmt_bytes(a['total_bytes_mean']):>10} "
                 f"{ratio:>8} {a['samples_drawn_mean']:>13.0f} {_fmt_bytes(a['feedback_bytes_final_mean']):>12} "
                 f"{a['fit_seconds_mean']:>7.1f}")
         lines.append("('vs unc.': accuracy points against uncompressed, negative is worse)" if t.higher_is_better
@@ -282,11 +321,42 @@ def targets_text(targets: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def frontier_text(front: dict[str, dict]) -> str:
+    lines = []
+    for task, f in front.items():
+        unit = f["unit"]
+        short = "pt" if unit == "points" else unit
+        lines.append(f"\nCompression frontier, {TASKS[task].title} (goal: >= {f['min_ratio']:g}x fewer bytes than "
+                     f"uncompressed, within {f['tolerance']:g} {unit}):")
+        head = (f"  {'configuration':36} {'codecs (fwd / bwd / fresh)':46} {TASKS[task].metric + ' (seeds)':>22} "
+                f"{'x fewer':>8} {'deficit':>10}  goal")
+        # deficit: how much worse than uncompressed (accuracy points, or percent of its loss); negative is better
+        lines += [head, "  " + "-" * (len(head) - 2)]
+        for r in f["frontier"]:
+            codecs = " / ".join(c or "-" for c in (r["fwd"], r["bwd"], r["fresh"])) if r["fwd"] else "-"
+            metric = f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f} ({r['seeds']})"
+            lines.append(f"  {r['config']:36} {codecs:46} {metric:>22} {r['bytes_ratio']:>8.1f} "
+                         f"{r['deficit']:>+7.2f} {short:<2}"
+                         f"  {'met' if r['goal_met'] else 'not met'}")
+        best_at, best_within = f["best_at_min_ratio"], f["most_bytes_saved_within_tolerance"]
+        verdict = (f"goal met by {', '.join(f['goal_met_by'])}" if f["goal_met_by"] else "goal not met")
+        if best_at:
+            verdict += (f"; best at >= {f['min_ratio']:g}x: {best_at['config']} ({best_at['bytes_ratio']:.1f}x, "
+                        f"deficit {best_at['deficit']:+.2f} {unit})")
+        if best_within:
+            verdict += (f"; most bytes saved within {f['tolerance']:g} {unit}: {best_within['config']} "
+                        f"({best_within['bytes_ratio']:.1f}x, deficit {best_within['deficit']:+.2f} {unit})")
+        lines.append("  " + verdict)
+    return "\n".join(lines)
+
+
+_MARKERS = "osD^v<>PXh*p"
 _COLORS = {"uncompressed": "black", "direct": "tab:red", "ef21": "tab:orange", "aqsgd": "tab:purple",
            "clapping-fc": "tab:blue", "clapping-fu": "tab:green"}
 
 
-def plot(aggs: list[dict], out: Path) -> list[str]:
+def plot(aggs: list[dict], out: Path, grid: tuple[str, ...] = ("moderate", "aggressive")) -> list[str]:
+    """Per task: metric against steps and against bytes, one column per grid codec setting and one for the rest."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,27 +367,33 @@ def plot(aggs: list[dict], out: Path) -> list[str]:
     for task in OrderedDict.fromkeys(a["task"] for a in aggs):
         t = TASKS[task]
         mine = [a for a in aggs if a["task"] == task]
-        settings = [s for s in OrderedDict.fromkeys(a["setting"] for a in mine) if s is not None] or [None]
+        column = {a["label"]: a["setting"] if a["setting"] in grid else "frontier" for a in mine if a["setting"]}
+        settings = list(OrderedDict.fromkeys(column.values())) or [None]
+        all_settings = list(OrderedDict.fromkeys(a["setting"] for a in mine))  # marker order of the frontier plot
         fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 9), squeeze=False)
         for col, setting in enumerate(settings):
             for a in mine:
-                if a["setting"] not in (setting, None):
+                if a["setting"] is not None and column[a["label"]] != setting:
                     continue
                 c = a["curve"]
                 steps = [p["step"] for p in c]
                 mean = [p["metric_mean"] for p in c]
                 lo, hi = [p["metric_min"] for p in c], [p["metric_max"] for p in c]
                 mbytes = [p["cum_bytes_mean"] / 2**20 for p in c]
-                style = {"color": _COLORS.get(a["variant"], "gray"), "marker": "o", "markersize": 3,
+                # in the frontier column one variant can appear with several settings: their frontier-plot markers
+                marker = ("o" if setting in grid or a["setting"] is None
+                          else _MARKERS[all_settings.index(a["setting"]) % len(_MARKERS)])
+                style = {"color": _COLORS.get(a["variant"], "gray"), "marker": marker, "markersize": 4,
                          "linestyle": ":" if a["variant"] == "uncompressed" and a["p"] < 1 else
                          "--" if a["variant"].startswith("clapping") and a["p"] < 0.5 else "-",
-                         "label": a["label"].replace(f" {setting}", "") if setting else a["label"]}
+                         "label": a["label"].replace(f" {setting}", "") if setting in grid else a["label"]}
                 for row, xs in ((0, steps), (1, mbytes)):
                     ax = axes[row][col]
                     ax.plot(xs, mean, **style)
                     if a["seeds"] > 1:
                         ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.12)
-            fwd_bwd = next((f"{a['fwd']} fwd / {a['bwd']} bwd" for a in mine if a["setting"] == setting), "")
+            fwd_bwd = next((f"{a['fwd']} fwd / {a['bwd']} bwd" for a in mine if a["setting"] == setting),
+                           "codecs of each setting: see the frontier table")
             axes[0][col].set_title(f"{setting or ''} ({fwd_bwd})")
             axes[0][col].set_xlabel("optimizer step")
             axes[1][col].set_xlabel("cumulative MiB sent between stages (log)")
@@ -330,6 +406,85 @@ def plot(aggs: list[dict], out: Path) -> list[str]:
         fig.suptitle(f"{t.title} (mean over {mine[0]['seeds']} seed(s), band: min-max)")
         fig.tight_layout()
         path = out / f"quality_{task}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    return files
+
+
+def _setting_label(a: dict) -> str:
+    if a["setting"] is None:
+        return "no codec"
+    fresh = f", fresh {a['fresh']}" if a["fresh"] else ""
+    return f"{a['setting']} ({a['fwd']} / {a['bwd']}{fresh})"
+
+
+def plot_frontier(aggs: list[dict], front: dict[str, dict], out: Path) -> list[str]:
+    """Per task: held-out metric (mean, error bars: std over seeds) against the byte ratio to uncompressed (log),
+    one point per configuration; colour: variant, marker: codec setting, hollow: p = 0.25; the Pareto frontier as a
+    line and the goal (>= 16x within the fc tolerance) as a shaded box."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch, Rectangle
+
+    files = []
+    for task, f in front.items():
+        t = TASKS[task]
+        mine = [a for a in aggs if a["task"] == task and a["bytes_ratio"]]
+        unc = next(a for a in mine if a["variant"] == "uncompressed" and a["p"] == 1.0)
+        settings = list(OrderedDict.fromkeys(a["setting"] for a in mine))
+        marker = {s: _MARKERS[i % len(_MARKERS)] for i, s in enumerate(settings)}
+        fig, ax = plt.subplots(figsize=(11, 7))
+        for a in mine:
+            color = _COLORS.get(a["variant"], "gray")
+            ax.errorbar(a["bytes_ratio"], a["metric_mean"], yerr=a["metric_std"], color=color,
+                        marker=marker[a["setting"]], markersize=8, capsize=3, linestyle="none",
+                        markerfacecolor="none" if a["p"] <= SMALL_P else color)
+            ax.annotate(a["label"], (a["bytes_ratio"], a["metric_mean"]), fontsize=6, xytext=(4, 3),
+                        textcoords="offset points", color=color)
+        on = f["frontier"]
+        ax.plot([r["bytes_ratio"] for r in on], [r["metric_mean"] for r in on], color="gray", linestyle="--",
+                linewidth=1, zorder=0)
+        ax.set_xscale("log")
+        ticks = [2**k for k in range(8) if 2**k <= f["min_ratio"] * 8]
+        ax.set_xticks(ticks, [f"{x:g}x" for x in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        xmax = max(max(a["bytes_ratio"] for a in mine) * 1.6, f["min_ratio"] * 2)
+        ax.set_xlim(0.8, xmax)
+        ymin, ymax = ax.get_ylim()
+        tol = f["tolerance"]
+        if t.higher_is_better:
+            edge = unc["metric_mean"] - tol / 100
+            box = Rectangle((f["min_ratio"], edge), xmax - f["min_ratio"], ymax - edge)
+        else:
+            edge = unc["metric_mean"] * (1 + tol / 100)
+            box = Rectangle((f["min_ratio"], ymin), xmax - f["min_ratio"], edge - ymin)
+        box.set(facecolor="gold", alpha=0.25, edgecolor="goldenrod", zorder=0)
+        ax.add_patch(box)
+        ax.set_ylim(ymin, ymax)
+        handles = [Line2D([], [], color=c, marker="o", linestyle="none", label=v)
+                   for v, c in _COLORS.items() if any(a["variant"] == v for a in mine)]
+        handles += [Line2D([], [], color="black", marker=marker[s], linestyle="none", markerfacecolor="none",
+                           label=_setting_label(next(a for a in mine if a["setting"] == s))) for s in settings]
+        handles += [Line2D([], [], color="gray", marker="o", markerfacecolor="none", linestyle="none",
+                           label=f"hollow: p = {SMALL_P:g}"),
+                    Line2D([], [], color="gray", linestyle="--", label="Pareto frontier"),
+                    Patch(facecolor="gold", alpha=0.25, edgecolor="goldenrod",
+                          label=f"goal: >= {f['min_ratio']:g}x, within {tol:g} {f['unit']}")]
+        ax.legend(handles=handles, fontsize=7, loc="best")
+        ax.set_xlabel("fewer bytes than uncompressed (x, log)")
+        ax.set_ylabel(t.metric_label)
+        ax.grid(alpha=0.3, which="both")
+        seeds = sorted({a["seeds"] for a in mine})
+        seeds_s = f"{seeds[0]}" if len(seeds) == 1 else f"{seeds[0]}-{seeds[-1]}"
+        ax.set_title(f"{t.title}\nquality against compression ({seeds_s} seed(s) per point, error bars: std over "
+                     f"seeds)", fontsize=10)
+        fig.tight_layout()
+        path = out / f"quality_frontier_{task}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(str(path))
@@ -356,7 +511,9 @@ def report(records: list[dict], args: Any, skipped: dict[str, str], meta: dict) 
     aggs = aggregate(records, meta.get("config_order"))
     targets = evaluate_targets(aggs)
     checks = sanity_checks(records)
-    pngs = plot(aggs, out) if aggs else []
+    front = frontier(aggs)
+    pngs = (plot(aggs, out, tuple(meta.get("grid_settings", ("moderate", "aggressive")))) if aggs else [])
+    pngs += plot_frontier(aggs, front, out)
     result = {
         "benchmark": "quality vs bytes through a 4-stage pipeline (benchmarks/quality.py)",
         "mode": args.mode,
@@ -370,6 +527,7 @@ def report(records: list[dict], args: Any, skipped: dict[str, str], meta: dict) 
         "runs": records,
         "aggregates": aggs,
         "targets": targets,
+        "frontier": front,
         "checks": checks,
         "plots": pngs,
     }
@@ -377,6 +535,7 @@ def report(records: list[dict], args: Any, skipped: dict[str, str], meta: dict) 
     write_csv(out / "quality.csv", records, aggs)
     print(table(aggs))
     print(targets_text(targets))
+    print(frontier_text(front))
     for c in checks:
         if not c["ok"]:
             print(f"  CHECK FAILED: {c['run']}: {c['check']}: {c['values']}")

@@ -16,6 +16,11 @@ Variants, each at two codec settings (forward / backward codec):
 * moderate:   ``q4`` / ``q8``   (4-bit activations, 8-bit gradients, one fp32 scale per channel)
 * aggressive: ``q2`` / ``q4``   (2-bit activations, 4-bit gradients)
 
+Frontier configurations beyond that grid (``FRONTIER_CONFIGS``), aiming at >= 16x fewer bytes than uncompressed:
+``clapping-fc p=0.25 topk`` (the 10 % largest values, 4-bit, both directions) and ``clapping-fu`` with random 10 %
+of the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 or q3 with fp16 scales) at p = 0.5
+and 0.25. The report draws the bytes-quality frontier of every configuration and judges the 16x goal for each.
+
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
 ``LazySamplingDataModule(p=1)``, which only adds sample ids), ``clapping-fc`` and ``clapping-fu`` at p = 0.5 and
@@ -29,8 +34,9 @@ error-feedback memory (``clapping/feedback_bytes``: both ends of every boundary,
 
 Outputs under ``--out``: ``quality.json`` (settings, machine, raw runs, aggregates, target verdicts),
 ``quality.csv`` (one row per run and one per aggregated configuration), ``quality_<task>.png`` (metric against
-steps and against cumulative bytes), ``quality_runs.jsonl`` (raw runs as they finish, for ``--resume``), and a
-printed table with the targets.
+steps and against cumulative bytes), ``quality_frontier_<task>.png`` (final metric against the byte ratio to
+uncompressed, the Pareto frontier and the 16x goal), ``quality_runs.jsonl`` (raw runs as they finish, for
+``--resume``), and a printed table with the targets and the frontier.
 
 All runs happen inside ONE launch: Lightning's launcher starts the 4 processes at the first ``fit`` (re-running this
 script with the same arguments), and every rank then walks the same list of runs, so the start-up is paid once.
@@ -63,14 +69,34 @@ import lightning_clapping  # noqa: E402
 from _quality_tasks import TASKS  # noqa: E402
 
 STAGES = 4
-CODEC_SETTINGS = {"moderate": ("q4", "q8"), "aggressive": ("q2", "q4")}
+#: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
+#: grid of every variant, the others only serve the frontier configurations below
+CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
+    "moderate": ("q4", "q8", None),
+    "aggressive": ("q2", "q4", None),
+    "topk": ("topk:0.1+q4", "topk:0.1+q4", None),
+    "randk fresh-q4": ("randk:0.1+q4", "randk:0.1+q4", "q4:fp16"),
+    "randk fresh-q3": ("randk:0.1+q4", "randk:0.1+q4", "q3:group128:fp16"),
+}
+GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
+
+#: the compression frontier beyond the grid: (variant, p, codec setting), aiming at >= 16x fewer bytes than
+#: uncompressed within the fc target's tolerance. Clapping-FU sends fresh steps with the fresh codec (q3/q4 with fp16
+#: scales, about 7-10x) and reuse steps as 10 % random values in 4 bits (about 80x): about 13x at p = 0.5 with q4,
+#: 17x with q3, 22x at p = 0.25 with q4. Clapping-FC sends every step as the 10 % largest values in 4 bits (16-18x).
+FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
+    ("clapping-fc", SMALL_P, "topk"),
+    ("clapping-fu", 0.5, "randk fresh-q4"),
+    ("clapping-fu", 0.5, "randk fresh-q3"),
+    ("clapping-fu", SMALL_P, "randk fresh-q4"),
+]
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
 MODES: dict[str, dict] = {
     "tiny": {
         "seeds": 1,
-        "configs": ["uncompressed", "clapping-fc p=0.5 moderate"],
+        "configs": ["uncompressed", "clapping-fc p=0.5 moderate", "clapping-fu p=0.5 randk fresh-q3"],
         "tasks": {
             "fashion_mnist": {"steps": 2, "val_every": 2, "limit": 512, "eval_samples": 500},
             "shakespeare": {"steps": 2, "val_every": 2, "limit": 128, "eval_samples": 64},
@@ -126,13 +152,14 @@ class RunConfig:
     lazy: bool  # wrap the data in LazySamplingDataModule
     fwd: str | None = None
     bwd: str | None = None
+    fresh: str | None = None  # codec of fresh-step messages (None: the variant's default)
     mode: str = "full"
     label: str = ""
     key: str = field(default="")
 
     def __post_init__(self) -> None:
         if self.setting is not None:
-            self.fwd, self.bwd = CODEC_SETTINGS[self.setting]
+            self.fwd, self.bwd, self.fresh = CODEC_SETTINGS[self.setting]
         self.label = config_label(self.variant, self.p, self.setting)
         self.key = (f"{self.mode}|{self.task}|{self.label}|seed={self.seed}|steps={self.steps}|"
                     f"limit={self.limit}|eval={self.eval_samples}")
@@ -151,11 +178,12 @@ def all_configs() -> list[tuple[str, float, str | None, bool]]:
     """
     out: list[tuple[str, float, str | None, bool]] = [("uncompressed", 1.0, None, False),
                                                      ("uncompressed", 0.5, None, True)]
-    for setting in CODEC_SETTINGS:
+    for setting in GRID_SETTINGS:
         out += [("direct", 1.0, setting, False), ("ef21", 1.0, setting, False), ("aqsgd", 1.0, setting, True)]
         for variant in ("clapping-fc", "clapping-fu"):
             for p in (0.5, SMALL_P):
                 out.append((variant, p, setting, True))
+    out += [(variant, p, setting, variant not in ("direct", "ef21")) for variant, p, setting in FRONTIER_CONFIGS]
     return out
 
 
@@ -262,7 +290,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     data = lightning_clapping.LazySamplingDataModule(dm, p=cfg.p, seed=cfg.seed) if cfg.lazy else dm
     strategy = lightning_clapping.ClappingStrategy(
         split_points=task.split_points, microbatches=task.microbatches, variant=cfg.variant,
-        forward_codec=cfg.fwd or "identity", backward_codec=cfg.bwd or "identity",
+        forward_codec=cfg.fwd or "identity", backward_codec=cfg.bwd or "identity", fresh_codec=cfg.fresh,
         timeout=timedelta(minutes=timeout_min))
     recorder = Recorder(task.metric)
     trainer = L.Trainer(
@@ -345,7 +373,9 @@ def meta(args: argparse.Namespace) -> dict:
     return {
         "mode_settings": MODES[args.mode],
         "steps_scale": args.steps_scale,
-        "codec_settings": {k: {"forward": f, "backward": b} for k, (f, b) in CODEC_SETTINGS.items()},
+        "codec_settings": {k: {"forward": f, "backward": b, "fresh": fr} for k, (f, b, fr) in CODEC_SETTINGS.items()},
+        "grid_settings": list(GRID_SETTINGS),
+        "frontier_configs": [config_label(v, p, st) for v, p, st in FRONTIER_CONFIGS],
         "lazy_sampling_p": [0.5, SMALL_P],
         "stages": STAGES,
         "config_order": [config_label(v, p, st) for v, p, st, _ in all_configs()],

@@ -55,7 +55,9 @@ def test_outputs_are_written(tiny):
     assert len([r for r in rows if r["row"] == "run"]) == len(result["runs"])
     for task in result["tasks"]:
         assert (out / f"quality_{task}.png").stat().st_size > 0
+        assert (out / f"quality_frontier_{task}.png").stat().st_size > 0
         assert SPECS[task].title in stdout
+        assert f"Compression frontier, {SPECS[task].title}" in stdout
     assert "Targets:" in stdout
     assert result["machine"]["logical_cpus"] >= 1
     assert any(t["target"].startswith("clapping feedback memory") for t in result["targets"])
@@ -70,8 +72,8 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
 
     _, _, result = tiny
     runs = {r["label"]: r for r in result["runs"] if r["task"] == task}
-    assert set(runs) == {"uncompressed", "clapping-fc p=0.5 moderate"}
-    unc, fc = runs["uncompressed"], runs["clapping-fc p=0.5 moderate"]
+    assert set(runs) == {"uncompressed", "clapping-fc p=0.5 moderate", "clapping-fu p=0.5 randk fresh-q3"}
+    unc, fc, fu = runs["uncompressed"], runs["clapping-fc p=0.5 moderate"], runs["clapping-fu p=0.5 randk fresh-q3"]
     for r in (unc, fc):
         assert r["steps_done"] == r["steps"] == 2
         assert [p["step"] for p in r["curve"]] == [2]
@@ -92,9 +94,25 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
     assert per_step < fc["total_bytes"] < 2 * per_step
     assert fc["feedback_bytes_min"] == fc["feedback_bytes_max"] == buffers
     assert fc["samples_drawn"] <= unc["samples_drawn"] == 2 * (128 if task == "fashion_mnist" else 32)
+    # clapping-fu with a fresh codec: step 0 is fresh and goes by q3 (about 10x), not in full; step 1 by q3 or randk
+    assert (fu["fwd"], fu["bwd"], fu["fresh"]) == ("randk:0.1+q4", "randk:0.1+q4", "q3:group128:fp16")
+    assert fu["fresh_steps"] >= 1
+    assert 0 < fu["total_bytes"] < unc["total_bytes"] / 5
     agg = {a["label"]: a for a in result["aggregates"] if a["task"] == task}
     assert agg["uncompressed"]["bytes_ratio"] == 1.0
     assert agg["clapping-fc p=0.5 moderate"]["bytes_ratio"] > 1.0
+    # the frontier: configurations of this task that no other one beats in bytes and quality, by byte ratio
+    front = result["frontier"][task]
+    rows = front["frontier"]
+    assert rows and {r["config"] for r in rows} <= set(agg)
+    assert [r["bytes_ratio"] for r in rows] == sorted(r["bytes_ratio"] for r in rows)
+    for r in rows:
+        a = agg[r["config"]]
+        assert r["bytes_ratio"] == a["bytes_ratio"] and r["deficit"] == a["deficit_vs_uncompressed"]
+        assert not any(b["bytes_ratio"] >= a["bytes_ratio"] and b["deficit_vs_uncompressed"] < r["deficit"]
+                       for b in agg.values())
+        assert r["goal_met"] == (r["bytes_ratio"] >= 16 and r["deficit"] <= front["tolerance"])
+    assert agg["clapping-fu p=0.5 randk fresh-q3"]["fresh"] == "q3:group128:fp16"
 
 
 def test_report_only_rebuilds_the_report_from_the_recorded_runs(tiny, tmp_path):
@@ -140,6 +158,34 @@ def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_s
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(p["last_step_validated"] for p in plans.values()), plans
-    configs_per_task = 16  # uncompressed twice, then 7 per codec setting (direct, ef21, aqsgd, fc and fu at 2 p)
+    # uncompressed twice, then 7 per grid codec setting (direct, ef21, aqsgd, fc and fu at 2 p), 4 frontier ones
+    configs_per_task = 20
     assert plans["standard"] == {"runs": 3 * 2 * configs_per_task, "seeds": 3, "last_step_validated": True}
     assert plans["full"]["runs"] == 3 * 2 * configs_per_task
+
+
+def test_frontier_keeps_the_undominated_configurations_and_judges_the_16x_goal():
+    from _quality_report import frontier
+
+    def agg(label, ratio, deficit):
+        return {"task": "fashion_mnist", "label": label, "variant": label, "p": 1.0, "fwd": "q4", "bwd": "q8",
+                "fresh": None, "bytes_ratio": ratio, "metric_mean": 0.8 - deficit / 100, "metric_std": 0.0, "seeds": 3,
+                "deficit_vs_uncompressed": deficit}
+
+    aggs = [agg("uncompressed", 1.0, 0.0), agg("cheap", 5.0, -0.5), agg("goal", 20.0, 1.5),
+            agg("worse at the same bytes", 20.0, 3.0), agg("beyond 16x, too lossy", 30.0, 10.0),
+            agg("within tolerance, short of 16x", 15.9, 0.5)]
+    f = frontier(aggs)["fashion_mnist"]
+    # "uncompressed" loses to "cheap" in both; "worse at the same bytes" loses to "goal"
+    assert [r["config"] for r in f["frontier"]] == ["cheap", "within tolerance, short of 16x", "goal",
+                                                     "beyond 16x, too lossy"]
+    assert [r["goal_met"] for r in f["frontier"]] == [False, False, True, False]
+    assert f["goal_met_by"] == ["goal"]
+    assert f["best_at_min_ratio"]["config"] == "goal"
+    assert f["most_bytes_saved_within_tolerance"]["config"] == "goal"
+    # 2 points is the Fashion-MNIST tolerance: at 2.5 the goal is missed, and the closest one at 16x is still named
+    aggs[2]["deficit_vs_uncompressed"] = 2.5
+    f = frontier(aggs)["fashion_mnist"]
+    assert f["goal_met_by"] == []
+    assert f["best_at_min_ratio"] == {"config": "goal", "bytes_ratio": 20.0, "deficit": 2.5}
+    assert f["most_bytes_saved_within_tolerance"]["config"] == "within tolerance, short of 16x"
