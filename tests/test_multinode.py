@@ -230,7 +230,8 @@ def _assert_placement(ranks: list[dict], environment: str) -> None:
 ENVIRONMENT = {"lightning": "LightningEnvironment", "torchrun": "TorchElasticEnvironment"}
 
 
-@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+# Lightning's own multi-node launch is the one the 2 x 2 test below uses; one launch per style keeps CI short
+@pytest.mark.parametrize("launcher", ["torchrun"])
 def test_four_stages_on_two_nodes_train_like_one_process(two_nodes, launcher):
     """Ranks 0-1 on node 0, ranks 2-3 on node 1, one stage each: after 3 SGD steps the weights are those of one
     process trained on the same batches."""
