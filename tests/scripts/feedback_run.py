@@ -33,15 +33,15 @@ class SaveState(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.sent = []
         chan = trainer.strategy.executor.fwd_out
-        if chan is not None and not hasattr(chan, "_orig_send"):
-            chan._orig_send = chan.send
+        if chan is not None and not hasattr(chan, "_orig_send_ops"):
+            chan._orig_send_ops = chan.send_ops  # the packed message, which the ops it returns hand to torch
             sink = self
 
-            def send(slot, msg, mode=None):
+            def send_ops(slot, msg, mode=None):
                 sink.sent.append(msg.detach().clone())
-                return chan._orig_send(slot, msg, mode)
+                return chan._orig_send_ops(slot, msg, mode)
 
-            chan.send = send
+            chan.send_ops = send_ops
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         # the first message of the step as it was handed to torch.distributed (stage 0 only has fwd_out to stage 1)
