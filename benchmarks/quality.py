@@ -251,10 +251,6 @@ class Recorder(L.Callback):
         self.fresh = int(trainer.strategy.byte_totals["fresh_steps"])
         self.train_loss.append(float(m["train_loss"]))
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        totals = trainer.strategy.byte_totals  # now including the last step
-        self.cum_bytes, self.fresh = totals["bytes"], int(totals["fresh_steps"])
-
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
@@ -271,6 +267,8 @@ class Recorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.t_fit = time.perf_counter() - self.t0
+        totals = trainer.strategy.byte_totals  # now including the last step
+        self.cum_bytes, self.fresh = totals["bytes"], int(totals["fresh_steps"])
 
 
 def samples_drawn_plain(steps: int, n: int, batch: int) -> int:
