@@ -111,3 +111,15 @@ def channel_holding(msg, **kw):
     chan._op = lambda send, tensor, tag: SimpleNamespace(send=send, tensor=tensor, tag=tag)
     chan._posted[0] = (chan._op(False, msg, 0), msg, None)
     return chan, chan.queue.received
+
+
+def netns_names() -> set[str]:
+    """The network namespaces that exist now (``ip netns list``)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def host_links() -> set[str]:
+    """The names of this namespace's network links (``ip -o link show``)."""
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}

@@ -23,22 +23,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _delay_link  # noqa: E402
 from _netns import Lab, delay_unavailable_reason  # noqa: E402
+from conftest import host_links, netns_names  # noqa: E402
 
 DELAY_MS, RATE_MBIT = 20.0, 50.0
 RTT_SLACK_MS = 15.0  # scheduling on a small shared machine, Python probes
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def _links_here() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
 
 
 def _relay_processes(tag: str) -> list[int]:
@@ -69,17 +60,17 @@ def _alive(pid: int) -> bool:
 
 
 def _leftovers(tag: str, before_links: set[str]) -> list[str]:
-    left = [f"namespace {n}" for n in sorted(_namespaces()) if n.startswith(tag)]
+    left = [f"namespace {n}" for n in sorted(netns_names()) if n.startswith(tag)]
     left += [f"relay process {p}" for p in _relay_processes(tag)]
     ours = {f"{kind}{i}" for kind in "dvp" for i in range(8)}  # what Lab names its interfaces
-    left += [f"interface {name} in this namespace" for name in sorted((_links_here() - before_links) & ours)]
+    left += [f"interface {name} in this namespace" for name in sorted((host_links() - before_links) & ours)]
     return left
 
 
 def _clean(tag: str) -> None:
     for pid in _relay_processes(tag):
         os.kill(pid, signal.SIGKILL)
-    for name in _namespaces():
+    for name in netns_names():
         if name.startswith(tag):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
@@ -91,7 +82,7 @@ def lab_tag(request):
     if reason:
         pytest.skip(f"delayed links need namespaces and TUN devices: {reason}")
     tag = f"cdl{os.getpid() % 100000}{request.node.name[5:11].replace('_', '')}"
-    before = _links_here()
+    before = host_links()
     yield tag
     time.sleep(0.2)
     left = _leftovers(tag, before)
@@ -146,7 +137,7 @@ def test_nothing_is_left_when_the_body_raises(lab_tag):
             lab.set_delay_links(RATE_MBIT, DELAY_MS)
             relay_pid = lab.relay.pid
             assert _alive(relay_pid) and _relay_processes(lab_tag) == [relay_pid]
-            assert {n for n in _namespaces() if n.startswith(lab_tag)}
+            assert {n for n in netns_names() if n.startswith(lab_tag)}
             raise RuntimeError("the test body failed")
     assert not _alive(relay_pid)
     # and the fixture asserts: no namespace, interface or relay process with this tag

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from _models import SequentialMLP, classification_data
-from conftest import ROOT, SCRIPTS
+from conftest import ROOT, SCRIPTS, host_links, netns_names
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -45,16 +45,6 @@ _FOREIGN_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_S
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def _links_here() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -167,7 +157,7 @@ def two_nodes(tmp_path):
     if shutil.which("ip") is None:
         pytest.skip("`ip` is missing (apt-get install -y iproute2)")
     tag = f"cmn{os.getpid() % 100000}n"  # the "n" ends it: no other run's tag starts with this one
-    before = _links_here()
+    before = host_links()
     lab = Lab(tag=tag)
     cluster = None
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -183,10 +173,10 @@ def two_nodes(tmp_path):
             cluster.kill()
         undeleted = lab.teardown()
         signal.signal(signal.SIGTERM, previous)
-    left = [f"namespace {n}" for n in sorted(_namespaces()) if n.startswith(tag)]
+    left = [f"namespace {n}" for n in sorted(netns_names()) if n.startswith(tag)]
     left += [f"namespace {n} (could not be deleted)" for n in undeleted]
     ours = {f"{kind}{i}" for kind in "vp" for i in range(NODES)} | {"br0"}  # the names Lab gives its links
-    left += [f"interface {n} in this namespace" for n in sorted((_links_here() - before) & ours)]
+    left += [f"interface {n} in this namespace" for n in sorted((host_links() - before) & ours)]
     left += [f"process {p}" for p in _processes_mentioning(str(tmp_path))]
     assert not left, f"left behind: {left}"
 
