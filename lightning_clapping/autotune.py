@@ -44,22 +44,32 @@ sequence):
 2. **Choosing** (:func:`choose`, a pure and deterministic function). For each boundary and direction, the message of
    one micro-batch is priced with every candidate setting: its exact size on the wire (the codec's
    ``payload_nbytes`` plus the message header, :func:`lightning_clapping.channel.message_nbytes`), divided by the
-   measured bandwidth of that direction. The setting chosen is the **least lossy one whose transfer hides behind
-   compute**::
+   measured bandwidth of that direction. Two rules use these prices.
+
+   **The step rule** (what the strategy uses): the timing model :func:`lightning_clapping.schedule.step_time` plays
+   one training step of the running schedule with every stage's measured compute (a third forward, two thirds
+   backward), every boundary's delay, transfers that queue on their link, and the codec work timed on the real
+   messages (:func:`codec_times`: the sender encodes and decodes, the receiver decodes). It finds the fastest
+   settings, then moves towards less lossy ones, one rung at a time and the cheapest move first, while the predicted
+   step stays within ``1 + tolerance`` (default :data:`DEFAULT_TOLERANCE` = 5 %) of the fastest. Delay matters here:
+   under 1F1B with more micro-batches than stages, stage 0 waits for gradients to come back through the delayed
+   links more than once per step, and each transfer lengthens every such wait; a message that "hides" behind compute
+   in the steady state can still cost a tenth of the step (the per-message rule chose bf16 on 100 Mbit/s links with
+   25 ms of delay, and that run was 12 % slower than q4/q8). With several schedules (:func:`choose_pipeline`,
+   ``ClappingStrategy(schedule="auto")``), the first is kept unless another's predicted step is more than the
+   tolerance shorter.
+
+   **The per-message rule** (``schedule=None``): the least lossy setting whose transfer hides behind compute::
 
        transfer seconds per micro-batch  <=  headroom x compute seconds per micro-batch
 
-   where the compute is the pipeline's cycle, the largest forward+backward time per micro-batch of any stage: in the
-   steady state of a synchronous pipeline every stage (and every link) handles one micro-batch per cycle, so a link
-   that moves one message each way within the cycle does not hold the pipeline back. ``headroom`` (default
-   :data:`DEFAULT_HEADROOM` = 0.8) leaves 20 % for what the measurement misses (gloo's and TCP's per-message work,
-   noise, the encode/decode time of the codec itself, which is not modelled). When no candidate hides, the one with
-   the smallest transfer time is taken (on a tie, the less lossy one). The two directions are chosen independently:
-   links are taken as full duplex (forward and backward messages cross in opposite directions at the same time).
+   where the compute is the pipeline's cycle, the largest forward+backward time per micro-batch of any stage.
+   ``headroom`` (default :data:`DEFAULT_HEADROOM` = 0.8) leaves 20 % for what the measurement misses. When no
+   candidate hides, the one with the smallest transfer time is taken (on a tie, the less lossy one). It ignores
+   delay and codec work; the ``hides`` flags of every Choice report this test.
 
-   The one-way delay is paid once per message whatever the codec (on a delayed link a step cannot be shorter than
-   its compute plus ``2 x (stages - 1) x delay`` of pipeline fill and drain), so it does not enter the comparison; it
-   is logged next to the choice.
+   Both rules treat links as full duplex: forward and backward messages cross in opposite directions at the same
+   time, each on its own queue.
 
 Candidates are settings ordered from least to most lossy: ``"uncompressed"`` or a codec string of
 :func:`lightning_clapping.codecs.get_codec`. The default ladders (:data:`DEFAULT_CANDIDATES`) are
@@ -97,11 +107,12 @@ import torch.distributed as dist
 from lightning_clapping.channel import message_nbytes
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.feedback import VARIANTS
+from lightning_clapping.schedule import Link, get_schedule, step_time
 
 __all__ = [
-    "DEFAULT_CANDIDATES", "DEFAULT_HEADROOM", "PROBE_TAG", "UNCOMPRESSED", "Choice", "LinkMeasure", "ProbeError",
-    "agree", "choose", "describe", "ladder", "log_values", "message_bytes", "probe_boundaries", "probe_link",
-    "probe_plan", "tune_pipeline",
+    "DEFAULT_CANDIDATES", "DEFAULT_HEADROOM", "DEFAULT_TOLERANCE", "PROBE_TAG", "UNCOMPRESSED", "Choice",
+    "LinkMeasure", "ProbeError", "agree", "choose", "choose_pipeline", "codec_times", "describe", "ladder",
+    "log_values", "message_bytes", "probe_boundaries", "probe_link", "probe_plan", "tune_pipeline",
 ]
 
 UNCOMPRESSED = "uncompressed"
@@ -111,6 +122,7 @@ DEFAULT_CANDIDATES: dict[str, tuple[str, ...]] = {
     "bwd": (UNCOMPRESSED, "bf16", "q8"),
 }
 DEFAULT_HEADROOM = 0.8
+DEFAULT_TOLERANCE = 0.05
 
 #: first tag of the probe messages; the pipeline's tags are ``purpose * 1_000_000 + slot * 2 + k`` with purposes 1-3
 PROBE_TAG = 2_000_000_000
@@ -398,6 +410,8 @@ def probe_boundaries(
 #: one tensor of a message: (shape, dtype) or (shape, dtype, compressible); non-floating tensors are never compressed
 TensorSpec = Union[tuple[Sequence[int], torch.dtype], tuple[Sequence[int], torch.dtype, bool]]
 MessageShapes = Mapping[int, Mapping[str, Sequence[TensorSpec]]]
+#: ``{boundary: {direction: {setting: (sender seconds, receiver seconds)}}}``: codec work of one message
+CodecTimes = Mapping[int, Mapping[str, Mapping[str, tuple[float, float]]]]
 
 
 def _spec(spec: TensorSpec) -> tuple[tuple[int, ...], torch.dtype, bool]:
@@ -464,6 +478,10 @@ class Choice:
     budget_s: float  #: headroom x compute_s
     forward_hides: bool
     backward_hides: bool
+    #: the step the timing model predicts with every boundary's choice (None: chosen by the per-message rule)
+    step_s: float | None = None
+    #: the schedule the step was predicted for ("" with the per-message rule)
+    schedule: str = ""
     #: every candidate priced: (direction, setting, bytes, seconds)
     options: tuple[tuple[str, str, int, float], ...] = ()
 
@@ -486,7 +504,7 @@ class Choice:
         """Plain Python values (for a broadcast, a log, JSON); :meth:`from_wire` rebuilds the Choice."""
         return (self.boundary, self.variant, self.forward, self.backward, self.forward_bytes, self.backward_bytes,
                 self.forward_s, self.backward_s, self.compute_s, self.budget_s, self.forward_hides,
-                self.backward_hides, tuple(tuple(o) for o in self.options))
+                self.backward_hides, self.step_s, self.schedule, tuple(tuple(o) for o in self.options))
 
     @classmethod
     def from_wire(cls, values: Sequence[Any]) -> Choice:
@@ -494,12 +512,71 @@ class Choice:
         return cls(*head, options=tuple(tuple(o) for o in options))
 
 
-def _per_stage_compute(compute: float | Sequence[float] | Mapping[int, float]) -> float:
+def _stage_compute(compute: float | Sequence[float] | Mapping[int, float]) -> list[float]:
     values = [compute] if isinstance(compute, (int, float)) else list(
         compute.values() if isinstance(compute, Mapping) else compute)
     if not values or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
         raise ValueError(f"compute seconds per micro-batch must be finite numbers >= 0, got {compute!r}")
-    return float(max(values))
+    return [float(v) for v in values]
+
+
+Priced = tuple[str, int, float]  # (setting, bytes of one message, mean transfer seconds of one message)
+
+
+def _price(measures: Mapping[int, LinkMeasure], message_shapes: MessageShapes, ladders: Mapping[str, tuple[str, ...]],
+           fractions: Mapping[str, float]) -> dict[tuple[int, str], list[Priced]]:
+    """Every candidate of every boundary and direction, with its bytes and its transfer time on the measured link."""
+    out = {}
+    for boundary in sorted(message_shapes):
+        if boundary not in measures:
+            raise ValueError(f"boundary {boundary} has message shapes but no link measurement")
+        for d in DIRECTIONS:
+            specs = message_shapes[boundary].get(d, ())
+            bandwidth = measures[boundary].bandwidth(d)
+            full = message_bytes(specs, UNCOMPRESSED)
+            f = float(fractions.get(d, 0.0))
+            priced = []
+            for setting in ladders[d]:
+                nbytes = message_bytes(specs, setting)
+                mean_bytes = nbytes if setting == UNCOMPRESSED else f * full + (1 - f) * nbytes
+                priced.append((setting, nbytes, mean_bytes / bandwidth))
+            out[(boundary, d)] = priced
+    return out
+
+
+def _per_message_rule(priced: Mapping[tuple[int, str], list[Priced]], budget: float) -> dict[tuple[int, str], int]:
+    """Per boundary and direction, the least lossy candidate whose transfer fits the budget, else the fastest."""
+    out = {}
+    for key, options in priced.items():
+        hiding = [i for i, p in enumerate(options) if p[2] <= budget]
+        # min() keeps the first of equal times: the less lossy setting wins a tie
+        out[key] = hiding[0] if hiding else min(range(len(options)), key=lambda i: options[i][2])
+    return out
+
+
+def _step_rule(priced: Mapping[tuple[int, str], list[Priced]], predict: Callable[[dict], float],
+               tolerance: float) -> dict[tuple[int, str], int]:
+    """The least lossy settings whose predicted step is at most ``1 + tolerance`` times the fastest one found.
+
+    First the fastest: start from each direction's fastest transfer and, twice over every boundary and direction,
+    take the candidate that makes the predicted step shortest (codec work can make a smaller message slower). Then
+    move one rung towards less loss at a time, always the move that lengthens the predicted step the least (on a tie
+    the lower boundary, forward first), while the step stays within the bound. The less lossy rungs of a ladder are
+    assumed to send more bytes, as the default ladders do."""
+    keys = list(priced)
+    pick = {k: min(range(len(priced[k])), key=lambda i, k=k: priced[k][i][2]) for k in keys}
+    for _ in range(2):
+        for k in keys:
+            times = [predict({**pick, k: i}) for i in range(len(priced[k]))]
+            pick[k] = min(range(len(times)), key=times.__getitem__)
+    bound = (1 + tolerance) * predict(pick)
+    while True:  # one rung less lossy at a time, the move that costs the least step time first
+        moves = [(predict({**pick, k: pick[k] - 1}), n, k) for n, k in enumerate(keys) if pick[k] > 0]
+        allowed = [m for m in moves if m[0] <= bound]
+        if not allowed:
+            return pick
+        _, _, k = min(allowed)
+        pick[k] -= 1
 
 
 def choose(
@@ -511,6 +588,10 @@ def choose(
     variant: str = "direct",
     headroom: float = DEFAULT_HEADROOM,
     full_fraction: float | Mapping[str, float] = 0.0,
+    schedule: str | None = None,
+    num_microbatches: int | None = None,
+    codec_s: CodecTimes | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> dict[int, Choice]:
     """Pick each boundary's forward and backward setting (see the module docstring). Pure and deterministic.
 
@@ -524,10 +605,18 @@ def choose(
             :data:`DEFAULT_CANDIDATES`; see :func:`ladder`).
         variant: the compressed variant to use where a boundary compresses (any of
             :data:`lightning_clapping.feedback.VARIANTS` but "uncompressed").
-        headroom: a setting hides when its transfer takes at most ``headroom`` x the cycle.
+        headroom: with the per-message rule, a setting hides when its transfer takes at most ``headroom`` x the
+            cycle (the ``hides`` flags report this test under both rules).
         full_fraction: share of the messages a compressed variant still sends in full precision (a number for both
             directions or ``{"fwd": x, "bwd": y}``): ``p`` for clapping-fu (its fresh steps), 0 for direct, ef21 and
             clapping-fc. A compressed setting is priced at ``f x uncompressed + (1 - f) x compressed``.
+        schedule, num_microbatches: the step rule (see the module docstring): price whole steps of this schedule
+            (a name of :data:`lightning_clapping.schedule.SCHEDULES`) with the timing model, one stage per entry of
+            ``compute_s_per_microbatch`` (a third of it forward, two thirds backward). None: the per-message rule.
+        codec_s: ``{boundary: {direction: {setting: (sender_s, receiver_s)}}}``, the codec work of one message on
+            each end (measured, see :func:`codec_times`); missing entries count as 0. Step rule only.
+        tolerance: step rule: a less lossy setting is taken while the predicted step stays within ``1 + tolerance``
+            times the fastest.
 
     Returns ``{boundary: Choice}`` for every boundary of ``message_shapes``.
     """
@@ -536,6 +625,8 @@ def choose(
                          f"{', '.join(v for v in VARIANTS if v != UNCOMPRESSED)}; got {variant!r}")
     if not (isinstance(headroom, (int, float)) and 0 < headroom < math.inf):
         raise ValueError(f"headroom must be a positive number, got {headroom!r}")
+    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
+        raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
     fractions = full_fraction if isinstance(full_fraction, Mapping) else dict.fromkeys(DIRECTIONS, full_fraction)
     for d in DIRECTIONS:
         if not 0 <= fractions.get(d, 0.0) <= 1:
@@ -547,37 +638,119 @@ def choose(
         for setting in rungs:
             if setting != UNCOMPRESSED:
                 get_codec(setting)  # raises for an unknown codec string
-    compute = _per_stage_compute(compute_s_per_microbatch)
+    stages = _stage_compute(compute_s_per_microbatch)
+    compute = max(stages)
     budget = headroom * compute
+    priced = _price(measures, message_shapes, ladders, fractions)
+
+    step_s = None
+    if schedule is None:
+        pick = _per_message_rule(priced, budget)
+    else:
+        predict = _step_model(measures, stages, priced, schedule, num_microbatches, codec_s or {})
+        pick = _step_rule(priced, predict, tolerance)
+        step_s = predict(pick)
 
     out = {}
     for boundary in sorted(message_shapes):
-        if boundary not in measures:
-            raise ValueError(f"boundary {boundary} has message shapes but no link measurement")
-        link, picked, options = measures[boundary], {}, []
-        for d in DIRECTIONS:
-            specs = message_shapes[boundary].get(d, ())
-            bandwidth = link.bandwidth(d)
-            full = message_bytes(specs, UNCOMPRESSED)
-            f = float(fractions.get(d, 0.0))
-            priced = []
-            for setting in ladders[d]:
-                nbytes = message_bytes(specs, setting)
-                mean_bytes = nbytes if setting == UNCOMPRESSED else f * full + (1 - f) * nbytes
-                priced.append((setting, nbytes, mean_bytes / bandwidth))
-            options += [(d, s, n, t) for s, n, t in priced]
-            hiding = [p for p in priced if p[2] <= budget]
-            # min() keeps the first of equal times: the less lossy setting wins a tie
-            picked[d] = (hiding[0] if hiding else min(priced, key=lambda p: p[2])), bool(hiding)
-        (fwd, fwd_bytes, fwd_s), fwd_hides = picked["fwd"]
-        (bwd, bwd_bytes, bwd_s), bwd_hides = picked["bwd"]
+        (fwd, fwd_bytes, fwd_s), (bwd, bwd_bytes, bwd_s) = (priced[(boundary, d)][pick[(boundary, d)]]
+                                                            for d in DIRECTIONS)
+        options = tuple((d, *p) for d in DIRECTIONS for p in priced[(boundary, d)])
         out[boundary] = Choice(
             boundary=boundary,
             variant=UNCOMPRESSED if fwd == bwd == UNCOMPRESSED else variant,
             forward=fwd, backward=bwd, forward_bytes=fwd_bytes, backward_bytes=bwd_bytes,
             forward_s=fwd_s, backward_s=bwd_s, compute_s=compute, budget_s=budget,
-            forward_hides=fwd_hides, backward_hides=bwd_hides, options=tuple(options),
+            forward_hides=fwd_s <= budget, backward_hides=bwd_s <= budget,
+            step_s=step_s, schedule=schedule or "", options=options,
         )
+    return out
+
+
+def _step_model(measures: Mapping[int, LinkMeasure], stages: list[float],
+                priced: Mapping[tuple[int, str], list[Priced]], schedule: str, num_microbatches: int | None,
+                codec_s: CodecTimes) -> Callable[[dict], float]:
+    """``predict(pick)``: the step time of ``schedule`` with the candidates ``pick`` ({(boundary, direction): index}),
+    by :func:`lightning_clapping.schedule.step_time`."""
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"the step rule needs num_microbatches >= 1, got {num_microbatches!r}")
+    boundaries = sorted({b for b, _ in priced})
+    if len(stages) == 1:
+        stages = stages * (len(boundaries) + 1)
+    if boundaries != list(range(len(stages) - 1)):
+        raise ValueError(f"the step rule needs every boundary of {len(stages)} stages, got {boundaries}")
+    actions = get_schedule(schedule)(len(stages), num_microbatches)
+    forward = [c / 3 for c in stages]  # a backward takes about twice its forward
+    backward = [2 * c / 3 for c in stages]
+
+    def work(b: int, d: str, setting: str) -> tuple[float, float]:
+        return tuple(codec_s.get(b, {}).get(d, {}).get(setting, (0.0, 0.0)))
+
+    def predict(pick: Mapping[tuple[int, str], int]) -> float:
+        links = []
+        for b in boundaries:
+            (fs, _, ft), (bs, _, bt) = priced[(b, "fwd")][pick[(b, "fwd")]], priced[(b, "bwd")][pick[(b, "bwd")]]
+            links.append(Link(measures[b].one_way_delay_s, ft, bt, work(b, "fwd", fs), work(b, "bwd", bs)))
+        return step_time(actions, forward, backward, links)
+
+    return predict
+
+
+def choose_pipeline(
+    measures: Mapping[int, LinkMeasure],
+    compute_s_per_microbatch: float | Sequence[float] | Mapping[int, float],
+    message_shapes: MessageShapes,
+    candidates: Mapping[str, Sequence[str]] | None = None,
+    *,
+    schedules: Sequence[str] = (),
+    tolerance: float = DEFAULT_TOLERANCE,
+    **choose_kwargs: Any,
+) -> dict[int, Choice]:
+    """:func:`choose` for each schedule of ``schedules`` (step rule); the first schedule's choice is kept unless
+    another one's predicted step is more than ``tolerance`` shorter (then the shortest). Each Choice records its
+    schedule. Without ``schedules``: :func:`choose` with ``choose_kwargs`` as given."""
+    if not schedules:
+        return choose(measures, compute_s_per_microbatch, message_shapes, candidates, tolerance=tolerance,
+                      **choose_kwargs)
+    best: dict[int, Choice] | None = None
+    for name in schedules:
+        choices = choose(measures, compute_s_per_microbatch, message_shapes, candidates, schedule=name,
+                         tolerance=tolerance, **choose_kwargs)
+        if best is None or _step_of(choices) * (1 + tolerance) < _step_of(best):  # type: ignore[operator]
+            best = choices
+    assert best is not None
+    return best
+
+
+def _step_of(choices: Mapping[int, Choice]) -> float | None:
+    return next(iter(choices.values())).step_s if choices else None
+
+
+def codec_times(specs: Sequence[TensorSpec], settings: Sequence[str], repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """``{setting: (sender seconds, receiver seconds)}`` of one message of ``specs`` under each codec setting,
+    timed here on random values (the fastest of ``repeats``): the sender encodes and decodes (the error-feedback
+    variants update their buffer with what the receiver will decode), the receiver decodes. "uncompressed" costs 0."""
+    out: dict[str, tuple[float, float]] = {}
+    tensors = []
+    for spec in specs:
+        shape, dtype, compressible = _spec(spec)
+        if compressible:
+            tensors.append(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype))
+    for setting in settings:
+        if setting == UNCOMPRESSED or not tensors:
+            out[setting] = (0.0, 0.0)
+            continue
+        codec = get_codec(setting)
+        best_enc = best_dec = math.inf
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            payloads = [codec.encode(x) for x in tensors]
+            t1 = time.perf_counter()
+            for x, payload in zip(tensors, payloads):
+                codec.decode(payload, x.shape, x.dtype)
+            t2 = time.perf_counter()
+            best_enc, best_dec = min(best_enc, t1 - t0), min(best_dec, t2 - t1)
+        out[setting] = (best_enc + best_dec, best_dec)
     return out
 
 
@@ -615,8 +788,13 @@ def describe(choices: Mapping[int, Choice], measures: Mapping[int, LinkMeasure])
         bwd_bw = f"{m.bandwidth('bwd') / 1e6:9.1f}" if m else f"{'?':>9}"
         lines.append(f"{b:>8}  {delay}  {fwd_bw}  {bwd_bw}  {c.compute_s * 1e3:10.2f}  {c.budget_s * 1e3:9.2f}  "
                      f"{cell('fwd'):<26}  {cell('bwd'):<26}  {c.variant}")
-    if any(not (c.forward_hides and c.backward_hides) for c in choices.values()):
-        lines.append("  ! no candidate hides behind compute in this direction: the fastest one was taken")
+    step = _step_of(choices)
+    if step is None:
+        if any(not (c.forward_hides and c.backward_hides) for c in choices.values()):
+            lines.append("  ! no candidate hides behind compute in this direction: the fastest one was taken")
+    else:
+        lines.append(f"  predicted step with these settings under {next(iter(choices.values())).schedule}: "
+                     f"{step * 1e3:.1f} ms (timing model; '!': the transfer alone exceeds the budget)")
     return "\n".join(lines)
 
 
@@ -635,6 +813,9 @@ def log_values(choices: Mapping[int, Choice], measures: Mapping[int, LinkMeasure
         out[f"autotune/b{b}_fwd_bytes"] = float(c.forward_bytes)
         out[f"autotune/b{b}_bwd_bytes"] = float(c.backward_bytes)
         out[f"autotune/b{b}_compressed"] = float(c.compressed)
+    step = _step_of(choices)
+    if step is not None:
+        out["autotune/predicted_step_ms"] = step * 1e3
     return out
 
 
@@ -651,6 +832,7 @@ def agree(
     *,
     group: Group = None,
     src: int = 0,
+    codec_s: CodecTimes | None = None,
     **choose_kwargs: Any,
 ) -> tuple[dict[int, Choice], dict[int, LinkMeasure]]:
     """Decide on one rank and tell every rank: returns ``(choices, measures of every boundary)``, the same everywhere.
@@ -659,7 +841,8 @@ def agree(
     seconds per micro-batch and the message shapes it knows (e.g. ``{s: {"fwd": ...}, s - 1: {"bwd": ...}}`` for
     what it sends). Two collectives over ``group`` (all ranks must call): ``all_gather_object`` of these numbers,
     then ``broadcast_object_list`` of the choices that rank ``src`` computed with :func:`choose`
-    (``choose_kwargs``: candidates, variant, headroom, full_fraction). Raises :class:`ProbeError` on every rank when
+    (``choose_kwargs``: those of :func:`choose_pipeline`; ``codec_s``: the codec times this rank measured for the
+    messages it sends, merged over the ranks and handed to the step rule). Raises :class:`ProbeError` on every rank when
     the two ends of a boundary report different measurements, and ValueError on every rank when ``choose`` refused
     its arguments on rank ``src``.
     """
@@ -669,14 +852,19 @@ def agree(
         "compute_s": float(compute_s),
         "shapes": {int(b): {d: [_spec(s) for s in specs] for d, specs in dirs.items()}
                    for b, dirs in message_shapes.items()},
+        "codec_s": {int(b): {d: dict(t) for d, t in dirs.items()} for b, dirs in (codec_s or {}).items()},
     }
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     wires: dict[int, list[float]] = {}
     compute: dict[int, float] = {}
     shapes: dict[int, dict[str, list]] = {}
+    times: dict[int, dict[str, dict]] = {}
     for item in gathered:
         compute[item["stage"]] = item["compute_s"]
+        for b, dirs in item["codec_s"].items():
+            for d, t in dirs.items():
+                times.setdefault(b, {})[d] = t
         for b, wire in item["measures"].items():
             if b in wires and not _same_wire(wires[b], wire):
                 raise ProbeError(f"the two ends of boundary {b} measured different links: {wires[b]} and {wire}")
@@ -691,7 +879,9 @@ def agree(
     payload: list[Any] = [None]
     if dist.get_rank() == src:
         try:
-            choices = choose(all_measures, [compute[s] for s in range(num_stages)], shapes, **choose_kwargs)
+            if choose_kwargs.get("schedule") or choose_kwargs.get("schedules"):
+                choose_kwargs["codec_s"] = times
+            choices = choose_pipeline(all_measures, [compute[s] for s in range(num_stages)], shapes, **choose_kwargs)
             payload = [("ok", [c.to_wire() for c in choices.values()])]
         except (ValueError, TypeError) as err:  # every rank raises it, instead of waiting for a broadcast
             payload = [("error", f"{type(err).__name__}: {err}")]
@@ -718,9 +908,13 @@ def tune_pipeline(
     timeout: timedelta | None = None,
     group: Group = None,
     src: int = 0,
+    schedules: Sequence[str] = (),
+    num_microbatches: int | None = None,
 ) -> tuple[dict[int, Choice], dict[int, LinkMeasure]]:
     """What one pipeline rank does to autotune, between two steps (every rank at once): probe its boundaries with
-    their real uncompressed message size, then :func:`agree` on the choices.
+    their real uncompressed message size, time the candidate codecs on the messages it sends, then :func:`agree`
+    on the choices: by the step rule for ``schedules`` (the first is the one running; more: autotune may switch),
+    with ``num_microbatches`` per step; without ``schedules``, by the per-message rule.
 
     ``sent_specs``: what this rank sent in the last step, by the executor's rule name (``"fwd_out"``: boundary
     ``stage``, ``"bwd_out"``: boundary ``stage - 1``); ``user_codecs``: the top of each direction's ladder
@@ -737,6 +931,8 @@ def tune_pipeline(
                    if "fwd_out" in sent_specs else 0}
     measures = probe_boundaries(stage, num_stages, rank_of_stage, probe_bytes, timeout=timeout)
     candidates = {d: ladder(d, user_codecs.get(d)) for d in DIRECTIONS}
+    timed = {b: {d: codec_times(specs, candidates[d]) for d, specs in dirs.items()} for b, dirs in shapes.items()}
+    extra = {"schedules": tuple(schedules), "num_microbatches": num_microbatches} if schedules else {}
     return agree(stage, num_stages, measures, compute_s, shapes, variant=variant, candidates=candidates,
-                 group=group, src=src)
+                 group=group, src=src, codec_s=timed, **extra)
 

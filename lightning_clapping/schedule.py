@@ -290,3 +290,68 @@ def simulate_exchanges(steps: list[list[Action | Exchange]], resized: frozenset[
             state = {s: groups[s][active[s]] for s in range(len(groups)) if active[s] < len(groups[s])}
             raise RuntimeError(f"deadlock: stages wait in the groups {state}")
     return rounds
+
+
+# ---------------------------------------------------------------------------------------------- predicted step time
+@dataclass(frozen=True)
+class Link:
+    """One boundary as the timing model sees it: the one-way delay and, per direction, the seconds a message holds
+    the link (its bytes over the bandwidth) and the codec work it adds on each end."""
+
+    delay_s: float = 0.0
+    fwd_s: float = 0.0  #: transfer of one forward message (activations), stage b to b + 1
+    bwd_s: float = 0.0  #: transfer of one backward message (gradients), stage b + 1 to b
+    fwd_codec_s: tuple[float, float] = (0.0, 0.0)  #: (sender, receiver) codec seconds of one forward message
+    bwd_codec_s: tuple[float, float] = (0.0, 0.0)
+
+
+def step_time(schedule: list[list[Action]], forward_s: list[float], backward_s: list[float],
+              links: list[Link]) -> float:
+    """Seconds one training step takes under ``schedule``, by the executor's model: a stage runs its actions in order,
+    each waiting for the message it receives; a send leaves when its action ends, waits while its link (one per
+    boundary and direction, first come first served) is busy with earlier messages, holds it for the transfer, and
+    arrives one delay later. ``forward_s[s]`` / ``backward_s[s]``: compute per micro-batch of stage ``s``;
+    ``links[b]``: boundary ``b`` (between stages ``b`` and ``b + 1``). The codec work of a message is added to the
+    action that sends it and to the one that receives it.
+
+    What it leaves out: the per-message work of gloo and TCP (beyond the bandwidth the probe measured, which
+    includes it), contention between ranks for the CPU, and TCP's congestion window. It is meant to rank settings
+    and schedules against each other, not to predict a step to the millisecond.
+    """
+    n = len(schedule)
+    if not (len(forward_s) == len(backward_s) == n and len(links) == n - 1):
+        raise ValueError(f"{n} stages need {n} forward and backward times and {n - 1} links, got "
+                         f"{len(forward_s)}, {len(backward_s)} and {len(links)}")
+    clock = [0.0] * n
+    link_free: dict[tuple[str, int], float] = {}
+    arrived: dict[tuple[str, int, int], float] = {}  # (direction, boundary, micro-batch) -> arrival time
+    pc = [0] * n
+    while any(pc[s] < len(schedule[s]) for s in range(n)):
+        progressed = False
+        for s in range(n):
+            while pc[s] < len(schedule[s]):
+                a = schedule[s][pc[s]]
+                fwd = a.kind == "F"
+                need = (("fwd", s - 1, a.microbatch) if s > 0 else None) if fwd else (
+                    ("bwd", s, a.microbatch) if s < n - 1 else None)
+                if need is not None and need not in arrived:
+                    break
+                work = forward_s[s] if fwd else backward_s[s]
+                if need is not None:
+                    link = links[need[1]]
+                    work += (link.fwd_codec_s if fwd else link.bwd_codec_s)[1]
+                out = (("fwd", s) if s < n - 1 else None) if fwd else (("bwd", s - 1) if s > 0 else None)
+                if out is not None:
+                    link = links[out[1]]
+                    work += (link.fwd_codec_s if fwd else link.bwd_codec_s)[0]
+                clock[s] = max(clock[s], arrived[need] if need is not None else 0.0) + work
+                if out is not None:
+                    link = links[out[1]]
+                    leave = max(clock[s], link_free.get(out, 0.0)) + (link.fwd_s if fwd else link.bwd_s)
+                    link_free[out] = leave
+                    arrived[(out[0], out[1], a.microbatch)] = leave + link.delay_s
+                pc[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("deadlock: the schedule cannot be timed")
+    return max(clock)

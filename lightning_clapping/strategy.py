@@ -53,7 +53,7 @@ from lightning_clapping.materialize import materialize
 from lightning_clapping.microbatch import merge_outputs, split_batch
 from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
 from lightning_clapping.replicas import GradientAverager, Topology, build_mesh
-from lightning_clapping.schedule import SCHEDULES
+from lightning_clapping.schedule import SCHEDULES, get_schedule
 from lightning_clapping.stage import StageRunner
 from lightning_clapping.step_results import ByteStats, pack_results, unpack_results
 
@@ -85,7 +85,10 @@ class ClappingStrategy(ParallelStrategy):
             state whose ``process_group`` is ``None``) reduces over each stage's replicas. Ignored with one replica.
         microbatches: micro-batches per batch. A batch smaller than this (the last one of an epoch) is split into
             as many micro-batches as it has samples.
-        schedule: ``"1f1b"`` (default: activation memory bounded by the pipeline depth) or ``"gpipe"``.
+        schedule: ``"1f1b"`` (default: activation memory bounded by the pipeline depth), ``"gpipe"`` (all
+            micro-batches in flight: one fill and drain per step, faster on links with delay, more activation memory)
+            or ``"auto"`` (with ``autotune=True``: 1F1B until autotune, which then keeps 1F1B unless its timing
+            model predicts GPipe's step more than 5 % shorter).
         process_group_backend: ``"gloo"`` on CPU and ``"nccl"`` on CUDA by default.
         timeout: how long a stage waits for a message or collective before failing (so a dead stage does not leave
             the others hanging forever).
@@ -108,9 +111,10 @@ class ClappingStrategy(ParallelStrategy):
             compress a fresh step's difference with it instead of the direction's codec. ``None`` (default): as
             without it.
         autotune: after the second training step, measure each boundary's link (one-way delay, bandwidth of each
-            direction, with timed probe messages between neighbours) and the stages' compute time, and give every
-            boundary and direction the least lossy setting whose transfer hides behind compute, from uncompressed up
-            to the codec given above (see :mod:`lightning_clapping.autotune`). Rank 0 decides, every rank follows;
+            direction, with timed probe messages between neighbours), the stages' compute time and the codecs' work
+            on the real messages, and give every boundary and direction the least lossy setting, from uncompressed
+            up to the codec given above, that keeps the step the timing model predicts for the schedule (compute,
+            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune`). Rank 0 decides, every rank follows;
             the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
             Needs a compressed ``variant``.
         compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
@@ -212,8 +216,11 @@ class ClappingStrategy(ParallelStrategy):
         self._comm_hook, self._comm_state = ddp_comm_hook, ddp_comm_state
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
+        if not isinstance(schedule, str) or schedule.lower() not in (*SCHEDULES, "auto"):
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)} or 'auto'")
+        if schedule.lower() == "auto" and not autotune:
+            raise ValueError("schedule='auto' lets autotune choose the schedule: pass autotune=True with it (and a "
+                             "compressed variant), or name the schedule ('1f1b' or 'gpipe')")
         self.variant = check_variant(variant)
         self.forward_codec = _codec_or_map(forward_codec, "forward_codec")
         self.backward_codec = _codec_or_map(backward_codec, "backward_codec")
@@ -251,7 +258,8 @@ class ClappingStrategy(ParallelStrategy):
         self._last_feedback: dict[str, Any] = {}
         self.split_points = split_points
         self.microbatches = microbatches
-        self.schedule = schedule.lower()
+        self.schedule_auto = schedule.lower() == "auto"
+        self.schedule = "1f1b" if self.schedule_auto else schedule.lower()
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._prepost = prepost_receives
@@ -697,7 +705,7 @@ class ClappingStrategy(ParallelStrategy):
             self._log_step_stats(stats, total, info)
         self._train_steps += 1
         if self.autotune and self._autotuned is None and self._train_steps == 2 and self.num_stages > 1:
-            self._run_autotune(stats.compute_s / len(microbatches))
+            self._run_autotune(stats.compute_s / len(microbatches), len(microbatches))
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss_t}
         return loss_t
@@ -717,7 +725,7 @@ class ClappingStrategy(ParallelStrategy):
         owners = {k: self.partition.state_stage[k] for k in self.partition.shared_params}
         rank_zero_info(f"ClappingStrategy: parameters on modules that span stages, by owning stage: {owners}")
 
-    def _run_autotune(self, compute_s: float) -> None:
+    def _run_autotune(self, compute_s: float, num_microbatches: int) -> None:
         """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
         assert self.executor is not None
         tops = {d: None if isinstance(c, dict) else c.name  # a per-boundary map: the default ladder
@@ -725,16 +733,32 @@ class ClappingStrategy(ParallelStrategy):
         choices, every = autotune.tune_pipeline(self.stage, self.num_stages, self.rank_of_stage,
                                                 self.executor.sent_specs, compute_s, self.variant, tops,
                                                 timeout=self._timeout, group=self._pp_group,
-                                                src=self.rank_of_stage(self.num_stages - 1))
+                                                src=self.rank_of_stage(self.num_stages - 1),
+                                                schedules=self._schedule_candidates(),
+                                                num_microbatches=num_microbatches)
         if self.num_replicas > 1:  # every replica probed its own links; all follow replica 0's choice
             wire = self.broadcast([c.to_wire() for c in choices.values()], src=0)
             choices = {w[0]: autotune.Choice.from_wire(w) for w in wire}
-        self._autotuned = choices
-        self.executor.rebuild_rules(training_only=True)
+        self._adopt(choices)
         rank_zero_info("ClappingStrategy autotune (kept for the rest of the run):\n"
                        + autotune.describe(choices, every))
         for name, value in autotune.log_values(choices, every).items():
             pl.LightningModule.log(self.lightning_module, name, value, on_step=True, on_epoch=False)
+
+    def _schedule_candidates(self) -> tuple[str, ...]:
+        """The schedules autotune prices: the running one first (kept unless another is clearly faster)."""
+        return (self.schedule, *(s for s in SCHEDULES if s != self.schedule)) if self.schedule_auto else (
+            self.schedule,)
+
+    def _adopt(self, choices: dict[int, Any]) -> None:
+        """Use autotune's choice from the next step on: its codecs, and with ``schedule="auto"`` its schedule."""
+        self._autotuned = choices
+        assert self.executor is not None
+        self.executor.rebuild_rules(training_only=True)
+        chosen = next(iter(choices.values())).schedule if choices else ""
+        if self.schedule_auto and chosen and chosen != self.schedule:
+            self.schedule = chosen
+            self.executor.schedule_fn = get_schedule(chosen)
 
     def _step_context(self, trainer: pl.Trainer, batch_idx: int, sizes: list[int]) -> tuple[StepContext, int, Any]:
         """What every stage knows about this step: its number, whether the batch is fresh, its sample ids."""
@@ -1046,8 +1070,7 @@ class ClappingStrategy(ParallelStrategy):
                 )
             return
         if self.autotune and saved.get("autotune"):  # the saved run's choice, so that its buffers fit the rules
-            self._autotuned = {w[0]: autotune.Choice.from_wire(w) for w in saved["autotune"]}
-            self.executor.rebuild_rules(training_only=True)
+            self._adopt({w[0]: autotune.Choice.from_wire(w) for w in saved["autotune"]})
         for name, state in checkpoint.get("clapping_feedback", {}).get(self._feedback_key, {}).items():
             rule = self.executor.rules.get(name)
             if rule is not None:

@@ -26,6 +26,8 @@ from lightning_clapping.autotune import (
     LinkMeasure,
     agree,
     choose,
+    choose_pipeline,
+    codec_times,
     describe,
     ladder,
     log_values,
@@ -204,6 +206,86 @@ def test_bad_arguments_are_refused():
         choose({0: link(25)}, [math.nan], shapes(0))
     with pytest.raises(ValueError, match="full_fraction"):
         choose({0: link(25)}, COMPUTE, shapes(0), full_fraction=1.5)
+
+
+# ------------------------------------------------------------------------------------------------- step rule
+STEP = {"schedule": "1f1b", "num_microbatches": 8}
+CYCLE = 0.030  # forward + backward per micro-batch of the 4-stage benchmark model (loopback step 0.33 s / 11)
+CODEC = {b: {d: {"bf16": (0.0005, 0.0003), "q8": (0.0015, 0.0006), "q4": (0.0015, 0.0006)} for d in ("fwd", "bwd")}
+         for b in range(3)}  # sender, receiver seconds per message: a few per cent of compute, as on this CPU
+USER = {d: ladder(d, c) for d, c in (("fwd", "q4"), ("bwd", "q8"))}
+
+
+def pipeline(mbit: float, delay_ms: float, **kwargs) -> dict[int, Choice]:
+    measures = {b: link(mbit, delay_ms) for b in range(3)}
+    return choose(measures, [CYCLE] * 4, shapes(0, 1, 2), variant="clapping-fc",
+                  **{**STEP, "candidates": USER, "codec_s": CODEC, **kwargs})
+
+
+def test_on_a_delayed_100_mbit_link_the_step_rule_compresses_what_the_per_message_rule_left_uncompressed():
+    # 262 kB in 21 ms hides behind a 30 ms cycle, but under 1F1B with 25 ms of delay every transfer lengthens the
+    # round trips the step waits for (auto chose bf16 here with the per-message rule and was 12 % slower than q4/q8)
+    per_message = choose({b: link(100, 25) for b in range(3)}, [CYCLE] * 4, shapes(0, 1, 2), USER,
+                         variant="clapping-fc")
+    assert {c.forward for c in per_message.values()} == {UNCOMPRESSED}
+    by_step = pipeline(100, 25)
+    assert all(c.variant == "clapping-fc" for c in by_step.values())
+    unc = {"fwd": (UNCOMPRESSED,), "bwd": (UNCOMPRESSED,)}
+    assert pipeline(100, 25, candidates=unc)[0].step_s > 1.1 * by_step[0].step_s  # what the old choice cost
+    fastest = pipeline(100, 25, tolerance=0.0)  # the fastest the model finds: q4/q8 everywhere
+    assert {(c.forward, c.backward) for c in fastest.values()} == {("q4", "q8")}
+    assert by_step[0].step_s <= 1.05 * fastest[0].step_s + 1e-12
+    rung = {d: {setting: i for i, setting in enumerate(USER[d])} for d in USER}
+    lossiness = [sum(rung["fwd"][c.forward] + rung["bwd"][c.backward] for c in x.values()) for x in (by_step, fastest)]
+    assert lossiness[0] < lossiness[1]  # the 5 % bought less lossy settings
+    assert pipeline(100, 25) == by_step and by_step[0].schedule == "1f1b"
+
+
+def test_the_step_rule_keeps_a_fast_link_uncompressed_because_the_codec_work_costs_more_than_it_saves():
+    # at 3 Gbit/s an uncompressed message takes 0.7 ms: q4 would save 0.6 ms of transfer and cost 2 ms of codec work
+    choices = pipeline(3000, 0.05, tolerance=0.0)
+    assert {(c.forward, c.backward) for c in choices.values()} == {(UNCOMPRESSED, UNCOMPRESSED)}
+    free_codecs = pipeline(3000, 0.05, tolerance=0.0, codec_s={})
+    assert {(c.forward, c.backward) for c in free_codecs.values()} == {("q4", "q8")}
+    assert "predicted step" in describe(choices, {b: link(3000, 0.05) for b in range(3)})
+
+
+def test_the_step_rule_compresses_a_slow_link_fully_and_only_the_slow_boundary_of_a_mixed_cluster():
+    assert {(c.forward, c.backward) for c in pipeline(10, 25).values()} == {("q4", "q8")}
+    measures = {0: link(10_000, 0.05), 1: link(25, 25), 2: link(10_000, 0.05)}
+    mixed = choose(measures, [CYCLE] * 4, shapes(0, 1, 2), USER, variant="clapping-fc", codec_s=CODEC,
+                   schedule="gpipe", num_microbatches=8)
+    assert settings(mixed) == {0: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED), 1: ("clapping-fc", "q4", "q8"),
+                               2: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED)}
+    assert log_values(mixed, measures)["autotune/predicted_step_ms"] == pytest.approx(mixed[0].step_s * 1e3)
+
+
+def test_autotune_switches_to_gpipe_only_when_its_predicted_step_is_clearly_shorter():
+    args = ({b: link(100, 25) for b in range(3)}, [CYCLE] * 4, shapes(0, 1, 2), USER)
+    kw = {"variant": "clapping-fc", "codec_s": CODEC, "num_microbatches": 8}
+    delayed = choose_pipeline(*args, schedules=("1f1b", "gpipe"), **kw)
+    assert delayed[0].schedule == "gpipe"
+    assert delayed[0].step_s < 0.8 * choose(*args, schedule="1f1b", **kw)[0].step_s
+    near = ({b: link(10_000, 0.05) for b in range(3)}, *args[1:])
+    assert choose_pipeline(*near, schedules=("1f1b", "gpipe"), **kw)[0].schedule == "1f1b"  # equal: keep the first
+    assert choose_pipeline(*near, schedules=("gpipe", "1f1b"), **kw)[0].schedule == "gpipe"
+
+
+def test_the_step_rule_needs_the_number_of_micro_batches_and_every_boundary():
+    with pytest.raises(ValueError, match="num_microbatches"):
+        choose({0: link(25)}, COMPUTE, shapes(0), schedule="gpipe")
+    with pytest.raises(ValueError, match="every boundary of 3 stages"):
+        choose({0: link(25), 2: link(25)}, [COMPUTE] * 3, {0: shapes(0)[0], 2: shapes(0)[0]}, schedule="gpipe",
+               num_microbatches=2)
+
+
+def test_codec_times_are_measured_on_the_message_and_the_sender_does_more_work():
+    times = codec_times(ACT, (UNCOMPRESSED, "bf16", "q4"), repeats=2)
+    assert times[UNCOMPRESSED] == (0.0, 0.0)
+    for setting in ("bf16", "q4"):
+        sender, receiver = times[setting]
+        assert 0 < receiver < sender < 1.0, (setting, times[setting])
+    assert codec_times([((8,), torch.int64)], ("q4",)) == {"q4": (0.0, 0.0)}  # nothing to compress
 
 
 # ------------------------------------------------------------------------------------------------- probe plan

@@ -75,6 +75,7 @@ def test_epoch_end_hooks_on_collected_step_outputs_log_as_in_one_process_and_eve
     ({"split_points": []}, r"split_points=\[\] makes one stage"),
     ({"fresh_codec": "q8"}, "fresh_codec applies to the error-feedback variants"),
     ({"autotune": True}, "autotune=True chooses codecs for a compressed variant"),
+    ({"schedule": "auto", "variant": "clapping-fc"}, "schedule='auto' lets autotune choose the schedule"),
     ({"liveness": 30}, "liveness must be a datetime.timedelta"),
     ({"forward_codec": {-1: "q4"}}, "forward_codec: keys are boundary indices"),
     ({"backward_codec": {0: "q99"}}, "q99"),

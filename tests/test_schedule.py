@@ -7,6 +7,7 @@ import pytest
 from lightning_clapping.schedule import (
     Action,
     Exchange,
+    Link,
     Message,
     forward_only,
     get_schedule,
@@ -15,6 +16,7 @@ from lightning_clapping.schedule import (
     one_f_one_b,
     simulate,
     simulate_exchanges,
+    step_time,
     with_exchanges,
 )
 
@@ -149,3 +151,46 @@ def test_the_nccl_model_refuses_orders_that_pair_different_messages():
                [Exchange((), (b,)), Action("F", 1), Exchange((), (a,)), Action("F", 0)]]
     with pytest.raises(RuntimeError, match="by their order"):
         simulate_exchanges(swapped)
+
+
+# ---------------------------------------------------------------------------------------------- timing model
+F, B, D = 0.010, 0.020, 0.025  # forward, backward seconds per micro-batch; one-way delay
+
+
+@pytest.mark.parametrize("build", [gpipe, one_f_one_b])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (4, 4), (4, 8), (3, 7)])
+def test_without_delay_or_transfers_a_step_is_fill_and_drain_of_compute(build, stages, micro):
+    links = [Link()] * (stages - 1)
+    assert step_time(build(stages, micro), [F] * stages, [B] * stages, links) == pytest.approx(
+        (micro + stages - 1) * (F + B))
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (4, 4), (4, 8), (3, 7)])
+def test_gpipe_pays_the_delay_once_on_the_way_down_and_once_back(stages, micro):
+    links = [Link(delay_s=D)] * (stages - 1)
+    assert step_time(gpipe(stages, micro), [F] * stages, [B] * stages, links) == pytest.approx(
+        (micro + stages - 1) * (F + B) + 2 * (stages - 1) * D)
+
+
+def test_1f1b_waits_for_more_round_trips_than_gpipe_when_micro_batches_outnumber_stages():
+    links = [Link(delay_s=D)] * 3
+    one, fill = step_time(one_f_one_b(4, 8), [F] * 4, [B] * 4, links), step_time(gpipe(4, 8), [F] * 4, [B] * 4, links)
+    assert fill == pytest.approx(11 * (F + B) + 6 * D)
+    assert one == pytest.approx(0.73)  # the run measured 0.771 s against GPipe's 0.531 s (loopback step 0.35 s)
+    assert one > fill + 8 * D
+
+
+def test_a_link_slower_than_compute_sets_the_pace_and_codec_work_counts_on_both_ends():
+    # two stages, 8 forward messages of 50 ms on a link that is free only after the previous one
+    slow = [Link(fwd_s=0.050)]
+    t = step_time(gpipe(2, 8), [F] * 2, [B] * 2, slow)
+    # the last forward arrives at F + 8 x 50 ms; stage 1 then runs it and 8 backwards, stage 0 the last backward
+    assert t == pytest.approx(F + 8 * 0.050 + F + 8 * B + B)
+    coded = [Link(fwd_codec_s=(0.003, 0.001))]  # sender 3 ms, receiver 1 ms per forward message
+    assert step_time(gpipe(2, 4), [F] * 2, [B] * 2, coded) == pytest.approx(
+        step_time(gpipe(2, 4), [F + 0.003, F + 0.001], [B] * 2, [Link()]))
+
+
+def test_the_timing_model_refuses_mismatched_lengths():
+    with pytest.raises(ValueError, match="4 stages need 4 forward and backward times and 3 links"):
+        step_time(gpipe(4, 2), [F] * 4, [B] * 4, [Link()] * 2)
