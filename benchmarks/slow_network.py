@@ -31,7 +31,9 @@ A mixed cluster (``--sites 0,0,1,1``: one site per stage, delayed links only): t
 of one site pass at once (a LAN) and applies the link's rate and delay between sites only, so with 0,0,1,1 only
 boundary 1 is slow. The link's label and key carry the sites (``25 Mbit/s 25 ms (sites 0,0,1,1)``), the file stem gets
 ``_mixed``, the link check measures two neighbouring stages in different sites and reports two in one site next to
-it (expect neither delay nor rate limit), and the delay floor counts the boundaries between sites only.
+it (expect neither delay nor rate limit), and the delay floor counts the boundaries between sites only. Codecs may be
+given per boundary, ``-`` for uncompressed (``codec_arg``): ``--fc-extra "-,q4,-/-,q8,-"`` is clapping-fc that
+compresses boundary 1 only (4-bit forward, 8-bit backward) and sends boundaries 0 and 2 uncompressed.
 
 Model and data: ``CharTransformer(vocab, block_size=128, d=128, heads=4, layers=4)`` from examples/char_lm.py, one
 block per stage, Shakespeare windows of 128 characters, batch 32, 8 micro-batches, 1F1B, AdamW with warm-up; fp32
@@ -196,6 +198,44 @@ def probe_pairs(sites: tuple[int, ...] | None, n: int) -> tuple[tuple[int, int],
     cross = next((i, i + 1) for i in range(n - 1) if order[i] != order[i + 1])
     same = next(((i, i + 1) for i in range(n - 1) if order[i] == order[i + 1]), None)
     return cross, same
+
+
+def codec_arg(text: str, boundaries: int, get_codec=None):
+    """A codec setting as ``ClappingStrategy`` takes it. A plain name (``q4``) stays as it is. A per-boundary list,
+    ``b0,b1,...`` with one entry per boundary and ``-`` for uncompressed (``-,q4,-``: only boundary 1 compressed),
+    becomes ``{boundary: codec}`` without the uncompressed ones (the strategy sends a boundary missing from the map
+    uncompressed). ``get_codec`` (``lightning_clapping.codecs.get_codec``), when given, checks every name; the
+    launcher leaves it out (it never imports torch) and the worker passes it. Raises ValueError."""
+    text = text.strip()
+    if "," not in text and text != "-":
+        return text
+    names = [x.strip() for x in text.split(",")]
+    if len(names) != boundaries:
+        raise ValueError(f"per-boundary codecs {text!r}: {boundaries} boundaries need {boundaries} entries, got "
+                         f"{len(names)} (each a codec, or - for uncompressed)")
+    out = {}
+    for b, name in enumerate(names):
+        if not name:
+            raise ValueError(f"per-boundary codecs {text!r}: boundary {b} is empty (write - for uncompressed)")
+        if name == "-":
+            continue
+        if get_codec is not None:
+            try:
+                get_codec(name)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"per-boundary codecs {text!r}, boundary {b}: {err}") from None
+        out[b] = name
+    return out
+
+
+def check_variant_codecs(variants: list["Variant"], boundaries: int) -> None:
+    """Refuse a per-boundary codec list of the wrong length before anything is built."""
+    for v in variants:
+        for text in (v.forward_codec, v.backward_codec):
+            try:
+                codec_arg(text, boundaries)
+            except ValueError as err:
+                raise SystemExit(f"slow_network: {v.label}: {err}") from None
 
 
 def _ms(text: str) -> float:
@@ -382,6 +422,8 @@ def worker(config_path: str) -> None:
     import lightning_clapping
     from datetime import timedelta
 
+    from lightning_clapping.codecs import get_codec
+
     rank = int(os.environ["NODE_RANK"])
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     stages = cfg["stages"]
@@ -440,7 +482,8 @@ def worker(config_path: str) -> None:
     extra = {"autotune": True} if v.get("autotune") else {}  # only then: older strategies lack the keyword
     strategy = lightning_clapping.ClappingStrategy(
         split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"], schedule=cfg["schedule"],
-        variant=v["variant"], forward_codec=v["forward_codec"], backward_codec=v["backward_codec"],
+        variant=v["variant"], forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
+        backward_codec=codec_arg(v["backward_codec"], stages - 1, get_codec),
         timeout=timedelta(seconds=cfg["strategy_timeout"]), **extra)
     recorder = Recorder()
     trainer = L.Trainer(
@@ -1084,8 +1127,18 @@ CSV_FIELDS = [
 # ====================================================================================================================
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reads a per-boundary codec list that starts with an uncompressed boundary (``-,q4,-/-,q8,-``) as a value:
+    argparse would take any word that starts with ``-`` for an unknown option."""
+
+    def _parse_optional(self, arg_string):
+        if arg_string.startswith(("-,", "-/")):
+            return None
+        return super()._parse_optional(arg_string)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _Parser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="60 steps, validation every 20 (about a minute or two per run; 36 minutes for all the runs "
@@ -1123,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="lazy-sampling p values of clapping-fu (none with an empty list)")
     ap.add_argument("--fc-extra", nargs="*", default=["q4/q4"], metavar="FWD/BWD",
                     help="further clapping-fc variants with these codec pairs on the shaped links (default q4/q4: "
-                         "4-bit gradients too; none with an empty list)")
+                         "4-bit gradients too; none with an empty list); a codec may be one per boundary, - for "
+                         "uncompressed: -,q4,-/-,q8,- compresses boundary 1 only")
     ap.add_argument("--no-direct", action="store_true",
                     help="leave out the direct-compression baseline (the codecs below, no error feedback, p = 1)")
     ap.add_argument("--no-aqsgd", action="store_true",
@@ -1155,6 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_only:
         return validate_only(mode, args)
     variants = make_variants(args)
+    check_variant_codecs(variants, mode.stages - 1)
     loop_variants = loopback_variants(variants, args)
     out = args.out or (Path(tempfile.gettempdir()) / "slow_network_tiny" if args.tiny else ROOT / "benchmarks/results")
     stem = output_stem(mode, args)

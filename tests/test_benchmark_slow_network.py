@@ -616,3 +616,53 @@ def test_the_delay_floor_of_a_mixed_cluster_counts_the_boundaries_between_sites(
     slow_network.add_comparisons(rows)
     assert rows[2]["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 0.025)
     assert rows[4]["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 3 * 0.025)  # no sites: every boundary
+
+
+def test_a_codec_per_boundary_becomes_the_strategys_map():
+    import slow_network
+    from lightning_clapping.codecs import get_codec
+
+    codec_arg = slow_network.codec_arg
+    assert codec_arg("q4", 3) == "q4" and codec_arg("q4", 3, get_codec) == "q4"
+    assert codec_arg("-,q4,-", 3, get_codec) == {1: "q4"}
+    assert codec_arg("q8, -, topk:0.1+q8", 3, get_codec) == {0: "q8", 2: "topk:0.1+q8"}
+    assert codec_arg("-,-,-", 3) == {} and codec_arg("-", 1) == {}
+    for bad, why in (("-,q4", "3 boundaries need 3 entries, got 2"), ("-,q4,-,q4", "got 4"),
+                     ("-,,q4", "boundary 1 is empty")):
+        with pytest.raises(ValueError, match=why):
+            codec_arg(bad, 3)
+    with pytest.raises(ValueError, match="boundary 1: unknown codec 'q4x'"):
+        codec_arg("-,q4x,-", 3, get_codec)
+    assert codec_arg("-,q4x,-", 3) == {1: "q4x"}  # the launcher checks only the form: names are the worker's
+    # the strategy takes the map: boundary 1 compressed, the others sent uncompressed
+    import lightning_clapping
+
+    strategy = lightning_clapping.ClappingStrategy(split_points=["a", "b", "c"], variant="clapping-fc",
+                                                   forward_codec=codec_arg("-,q4,-", 3, get_codec),
+                                                   backward_codec=codec_arg("-,q8,-", 3, get_codec))
+    assert strategy.make_rule(0, "fwd", True).variant == "uncompressed"
+    assert strategy.make_rule(1, "fwd", True).codec.name == "q4" and strategy.make_rule(1, "bwd", True).codec.name \
+        == "q8"
+
+
+def test_a_per_boundary_codec_pair_is_a_readable_variant_and_its_length_is_checked():
+    import slow_network
+
+    variants = slow_network.make_variants(_variant_args(fc_extra=["-,q4,-/-,q8,-"], no_auto=True))
+    extra = next(v for v in variants if "," in v.forward_codec)
+    assert (extra.label, extra.variant, extra.forward_codec, extra.backward_codec) == (
+        "clapping-fc p=0.5 -,q4,-/-,q8,-", "clapping-fc", "-,q4,-", "-,q8,-")
+    slow_network.check_variant_codecs(variants, 3)
+    short = slow_network.make_variants(_variant_args(fc_extra=["-,q4/-,q8,-"], no_auto=True))
+    with pytest.raises(SystemExit, match="clapping-fc p=0.5 -,q4/-,q8,-: .*3 boundaries need 3 entries, got 2"):
+        slow_network.check_variant_codecs(short, 3)
+
+
+def test_a_per_boundary_codec_list_that_starts_uncompressed_is_read_as_a_value_not_an_option():
+    import slow_network
+
+    # parsing gets past --fc-extra and --forward-codec, and the run is refused later for its plain link
+    argv = ["--fc-extra", "-,q4,-/-,q8,-", "-,-,q4/q8", "--forward-codec", "-,q4,-", "--links", "25", "--sites",
+            "0,0,1,1"]
+    with pytest.raises(SystemExit, match="--sites needs delayed links"):
+        slow_network.main(argv)
