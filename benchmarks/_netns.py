@@ -15,10 +15,11 @@ object created; a veth end dies with its namespace and takes its peer with it.
 Links with a one-way delay (this kernel has no netem) use a second star through the same stage namespaces
 (``build_delay_star``): each gets a TUN device ``d<i>`` with address ``<DELAY_SUBNET>.<i+1>/24``, and a user-space relay
 process (``benchmarks/_delay_link.py``, started by ``set_delay_links``) moves every packet between those devices with
-the configured rate (per sender, no burst), queue bound and delay. A rank that should talk over the delayed links uses
-the ``d<i>`` endpoint (its address and ``GLOO_SOCKET_IFNAME=d<i>``); the veth endpoints stay as they are. The TUN
-devices die with their namespaces; ``teardown()`` stops the relay first (an open TUN device would keep a deleted
-namespace alive).
+the configured rate (per sender, no burst), queue bound and delay; with ``sites`` only between stages of different
+sites (within a site packets pass at once: a mixed cluster of LANs joined by slow links). A rank that should talk
+over the delayed links uses the ``d<i>`` endpoint (its address and ``GLOO_SOCKET_IFNAME=d<i>``); the veth endpoints
+stay as they are. The TUN devices die with their namespaces; ``teardown()`` stops the relay first (an open TUN device
+would keep a deleted namespace alive).
 """
 
 from __future__ import annotations
@@ -159,10 +160,13 @@ class Lab:
             self.delay_stages.append(Endpoint(ns, ifname, addr))
         return list(self.delay_stages)
 
-    def set_delay_links(self, rate_mbit, delay_ms, queue_ms=100.0) -> list[_delay_link.Port]:
+    def set_delay_links(self, rate_mbit, delay_ms, queue_ms=100.0, sites=None) -> list[_delay_link.Port]:
         """(Re)start the relay of the delay star. Each argument is one number for every stage's link, or a list with
         one per stage (per-link settings): what stage ``i`` sends is serialised at ``rate_mbit[i]`` (None: no limit,
-        no burst), waits at most ``queue_ms[i]`` for its link (else it is dropped) and arrives ``delay_ms[i]`` later."""
+        no burst), waits at most ``queue_ms[i]`` for its link (else it is dropped) and arrives ``delay_ms[i]`` later.
+        ``sites``: one site number per stage namespace (endpoint ``i``), or None; what a stage sends to another of
+        its own site skips all of that and arrives at once (a LAN), so the settings above apply between sites only.
+        None (default): every packet takes its sender's link."""
         if not self.delay_stages:
             raise NetnsError("build_delay_star first")
         n = len(self.delay_stages)
@@ -178,12 +182,24 @@ class Lab:
         for d in delays:
             if d < 0:
                 raise ValueError(f"a delay cannot be negative, got {d}")
-        ports = [_delay_link.Port(ep.ns, ep.ifname, ep.addr, None if r is None else float(r), float(d), float(q))
-                 for ep, r, d, q in zip(self.delay_stages, rates, delays, queues)]
+        site_of = [None] * n if sites is None else self._check_sites(sites, n)
+        ports = [_delay_link.Port(ep.ns, ep.ifname, ep.addr, None if r is None else float(r), float(d), float(q), s)
+                 for ep, r, d, q, s in zip(self.delay_stages, rates, delays, queues, site_of)]
         self.stop_relay()
         self.relay = _delay_link.RelayProcess(ports)
         self.delay_links = ports
         return ports
+
+    @staticmethod
+    def _check_sites(sites, n: int) -> list[int]:
+        """``sites`` as a list of ``n`` integers, or a ValueError that says what is expected."""
+        values = list(sites) if isinstance(sites, (list, tuple)) else None
+        if values is None or len(values) != n:
+            raise ValueError(f"sites: one site number per stage, {n} in all, got {sites!r}")
+        wrong = [v for v in values if isinstance(v, bool) or not isinstance(v, int)]
+        if wrong:
+            raise ValueError(f"sites: site numbers are integers, got {wrong} in {sites!r}")
+        return values
 
     def stop_relay(self) -> None:
         if self.relay is not None:
@@ -242,7 +258,7 @@ class Lab:
             if relay is not None and ep.ifname in relay:
                 port = relay[ep.ifname]
                 row.update({f"relay_{k}": port[k] for k in ("wire_bytes", "frames", "queue_drops", "unroutable",
-                                                             "write_errors")})
+                                                             "write_errors", "lan_bytes")})
             out[ep.ifname] = row
         return out
 

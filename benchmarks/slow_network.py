@@ -27,6 +27,14 @@ run on a delayed link records the relay's own counters (``relay``: drops, how la
 shorter than the loopback step plus 2 x (stages - 1) x delay (fill and drain): the report gives that floor ("delay
 floor") and each step's ratio to it ("x floor").
 
+A mixed cluster (``--sites 0,0,1,1``: one site per stage, delayed links only): the relay lets packets between stages
+of one site pass at once (a LAN) and applies the link's rate and delay between sites only, so with 0,0,1,1 only
+boundary 1 is slow. The link's label and key carry the sites (``25 Mbit/s 25 ms (sites 0,0,1,1)``), the file stem gets
+``_mixed``, the link check measures two neighbouring stages in different sites and reports two in one site next to
+it (expect neither delay nor rate limit), and the delay floor counts the boundaries between sites only. Codecs may be
+given per boundary, ``-`` for uncompressed (``codec_arg``): ``--fc-extra "-,q4,-/-,q8,-"`` is clapping-fc that
+compresses boundary 1 only (4-bit forward, 8-bit backward) and sends boundaries 0 and 2 uncompressed.
+
 Model and data: ``CharTransformer(vocab, block_size=128, d=128, heads=4, layers=4)`` from examples/char_lm.py, one
 block per stage, Shakespeare windows of 128 characters, batch 32, 8 micro-batches, 1F1B, AdamW with warm-up; fp32
 messages are then 2 MiB per link and direction per step. Each rank uses one CPU thread (``OMP_NUM_THREADS=1`` and
@@ -107,18 +115,23 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """One network setting the variants run on: a rate, and a one-way delay or None (kernel veth + tbf, no relay)."""
+    """One network setting the variants run on: a rate, and a one-way delay or None (kernel veth + tbf, no relay).
+    ``sites``: one site per pipeline stage (delayed links only); rate and delay then apply between sites only, and
+    the label and key say so, so a mixed cluster never reads as a uniform one."""
 
     rate_mbit: float
     delay_ms: float | None = None
+    sites: tuple[int, ...] | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.rate_mbit:g} Mbit/s" + ("" if self.delay_ms is None else f" {self.delay_ms:g} ms")
+        return (f"{self.rate_mbit:g} Mbit/s" + ("" if self.delay_ms is None else f" {self.delay_ms:g} ms")
+                + ("" if self.sites is None else f" (sites {','.join(map(str, self.sites))})"))
 
     @property
     def key(self) -> str:
-        return f"{self.rate_mbit:g}mbit" + ("" if self.delay_ms is None else f"_{self.delay_ms:g}ms")
+        return (f"{self.rate_mbit:g}mbit" + ("" if self.delay_ms is None else f"_{self.delay_ms:g}ms")
+                + ("" if self.sites is None else f"_sites{'-'.join(map(str, self.sites))}"))
 
     @property
     def kind(self) -> str:
@@ -136,6 +149,93 @@ def parse_link(text: str) -> LinkSpec:
     if spec.rate_mbit <= 0 or (spec.delay_ms is not None and spec.delay_ms < 0):
         raise argparse.ArgumentTypeError(f"rate must be > 0 and delay >= 0, got {text!r}")
     return spec
+
+
+def parse_sites(text: str) -> tuple[int, ...]:
+    """``0,0,1,1``: the site of each pipeline stage (stage 0 first), at least two different sites (else nothing
+    would cross the slow link)."""
+    try:
+        sites = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        sites = None
+    if not sites or any(x < 0 for x in sites):
+        raise argparse.ArgumentTypeError(f"--sites is one site number (0, 1, ...) per stage, comma-separated, e.g. "
+                                         f"0,0,1,1; got {text!r}")
+    if len(set(sites)) < 2:
+        raise argparse.ArgumentTypeError(f"--sites needs at least two sites (with one, no traffic crosses the slow "
+                                         f"link); got {text!r}")
+    return sites
+
+
+def apply_sites(links: list[LinkSpec], sites: tuple[int, ...] | None, stages: int) -> list[LinkSpec]:
+    """Every link with these sites; refused unless every link is delayed (the relay keeps a site's LAN apart from
+    the slow link) and there is one site per stage."""
+    if sites is None:
+        return links
+    plain = [x.label for x in links if x.delay_ms is None]
+    if plain:
+        raise SystemExit(f"--sites needs delayed links (the user-space relay): give every link as RATE@DELAY, e.g. "
+                         f"25@25, or add --delay-ms; these have none: {', '.join(plain)}")
+    if len(sites) != stages:
+        raise SystemExit(f"--sites: {stages} stages need {stages} site numbers, got {len(sites)} "
+                         f"({','.join(map(str, sites))})")
+    return [LinkSpec(x.rate_mbit, x.delay_ms, tuple(sites)) for x in links]
+
+
+def endpoint_sites(sites: tuple[int, ...] | None) -> list[int] | None:
+    """The sites in the order of the stage endpoints: endpoint (and global rank) ``i`` runs stage ``S - 1 - i``
+    (rank 0 holds the last stage), so the per-stage list is reversed."""
+    return None if sites is None else list(reversed(sites))
+
+
+def probe_pairs(sites: tuple[int, ...] | None, n: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """Endpoint indices to measure a link between: (a pair that crosses the slow link, a pair within one site or
+    None). Without sites: endpoints 0 and 1, no same-site pair. With sites: neighbouring stages, so the cross-site
+    pair is a real pipeline boundary."""
+    if sites is None:
+        return (0, 1), None
+    order = endpoint_sites(sites)
+    cross = next((i, i + 1) for i in range(n - 1) if order[i] != order[i + 1])
+    same = next(((i, i + 1) for i in range(n - 1) if order[i] == order[i + 1]), None)
+    return cross, same
+
+
+def codec_arg(text: str, boundaries: int, get_codec=None):
+    """A codec setting as ``ClappingStrategy`` takes it. A plain name (``q4``) stays as it is. A per-boundary list,
+    ``b0,b1,...`` with one entry per boundary and ``-`` for uncompressed (``-,q4,-``: only boundary 1 compressed),
+    becomes ``{boundary: codec}`` without the uncompressed ones (the strategy sends a boundary missing from the map
+    uncompressed). ``get_codec`` (``lightning_clapping.codecs.get_codec``), when given, checks every name; the
+    launcher leaves it out (it never imports torch) and the worker passes it. Raises ValueError."""
+    text = text.strip()
+    if "," not in text and text != "-":
+        return text
+    names = [x.strip() for x in text.split(",")]
+    if len(names) != boundaries:
+        raise ValueError(f"per-boundary codecs {text!r}: {boundaries} boundaries need {boundaries} entries, got "
+                         f"{len(names)} (each a codec, or - for uncompressed)")
+    out = {}
+    for b, name in enumerate(names):
+        if not name:
+            raise ValueError(f"per-boundary codecs {text!r}: boundary {b} is empty (write - for uncompressed)")
+        if name == "-":
+            continue
+        if get_codec is not None:
+            try:
+                get_codec(name)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"per-boundary codecs {text!r}, boundary {b}: {err}") from None
+        out[b] = name
+    return out
+
+
+def check_variant_codecs(variants: list["Variant"], boundaries: int) -> None:
+    """Refuse a per-boundary codec list of the wrong length before anything is built."""
+    for v in variants:
+        for text in (v.forward_codec, v.backward_codec):
+            try:
+                codec_arg(text, boundaries)
+            except ValueError as err:
+                raise SystemExit(f"slow_network: {v.label}: {err}") from None
 
 
 def _ms(text: str) -> float:
@@ -196,6 +296,7 @@ def make_mode(args: argparse.Namespace) -> Mode:
         mode.links = list(args.links)
     if args.delay_ms is not None:  # every link given without its own delay gets this one
         mode.links = [LinkSpec(x.rate_mbit, args.delay_ms) if x.delay_ms is None else x for x in mode.links]
+    mode.links = apply_sites(mode.links, getattr(args, "sites", None), mode.stages)
     if mode.steps % mode.val_every:
         raise SystemExit(f"--steps ({mode.steps}) must be a multiple of --val-every ({mode.val_every}), so the last "
                          "step is validated")
@@ -249,12 +350,15 @@ def loopback_variants(variants: list[Variant], args: argparse.Namespace) -> list
 
 
 def output_stem(mode: Mode, args: argparse.Namespace) -> str:
-    """File names of the results: ``--stem``, else ``slow_network`` with ``_delay`` when a link has a delay and
-    ``_quick`` in quick mode, so a quick or delayed run never overwrites the full run's files."""
+    """File names of the results: ``--stem``, else ``slow_network`` with ``_delay`` when a link has a delay,
+    ``_mixed`` when the stages are in sites and ``_quick`` in quick mode, so a quick, delayed or mixed run never
+    overwrites the full run's files."""
     if args.stem:
         return args.stem
     delayed = any(x.delay_ms is not None for x in mode.links)
-    return "slow_network" + ("_delay" if delayed else "") + ("_quick" if mode.name == "quick" else "")
+    mixed = any(x.sites is not None for x in mode.links)
+    return ("slow_network" + ("_delay" if delayed else "") + ("_mixed" if mixed else "")
+            + ("_quick" if mode.name == "quick" else ""))
 
 
 def fp32_message_bytes(mode: Mode) -> int:
@@ -318,6 +422,8 @@ def worker(config_path: str) -> None:
     import lightning_clapping
     from datetime import timedelta
 
+    from lightning_clapping.codecs import get_codec
+
     rank = int(os.environ["NODE_RANK"])
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     stages = cfg["stages"]
@@ -376,7 +482,8 @@ def worker(config_path: str) -> None:
     extra = {"autotune": True} if v.get("autotune") else {}  # only then: older strategies lack the keyword
     strategy = lightning_clapping.ClappingStrategy(
         split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"], schedule=cfg["schedule"],
-        variant=v["variant"], forward_codec=v["forward_codec"], backward_codec=v["backward_codec"],
+        variant=v["variant"], forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
+        backward_codec=codec_arg(v["backward_codec"], stages - 1, get_codec),
         timeout=timedelta(seconds=cfg["strategy_timeout"]), **extra)
     recorder = Recorder()
     trainer = L.Trainer(
@@ -547,6 +654,7 @@ def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, co
     """One run's numbers from the workers' records (rank 0 holds the last stage and the logged metrics)."""
     row = {"link": "loopback" if link is None else link.label, "rate_mbit": None if link is None else link.rate_mbit,
            "delay_ms": None if link is None else link.delay_ms, "link_kind": "loopback" if link is None else link.kind,
+           "sites": None if link is None or link.sites is None else list(link.sites),
            "variant": variant.label, "kind": variant.variant, "p": variant.p, "error": raw.get("error"),
            "wall_seconds": raw["wall_seconds"], "other_cores": raw.get("other_cores"), "warning": raw.get("warning")}
     if raw.get("error"):
@@ -665,9 +773,11 @@ def add_comparisons(rows: list[dict]) -> None:
         r["step_speedup"] = base["median_step_s"] / r["median_step_s"] if base else None
         r["mean_step_speedup"] = base["mean_step_s"] / r["mean_step_s"] if base else None
         if r.get("delay_ms") is not None and loop:
-            # fill and drain: every step waits at least once for each boundary forward and once backward
-            stages = len(r["per_rank"])
-            r["delay_floor_step_s"] = loop["median_step_s"] + 2 * (stages - 1) * r["delay_ms"] / 1000
+            # fill and drain: every step waits at least once for each boundary forward and once backward (with
+            # sites: each boundary between two sites; within a site there is no delay)
+            sites = r.get("sites") or range(len(r["per_rank"]))
+            slow = sum(x != y for x, y in zip(sites, sites[1:]))
+            r["delay_floor_step_s"] = loop["median_step_s"] + 2 * slow * r["delay_ms"] / 1000
             r["x_delay_floor"] = r["median_step_s"] / r["delay_floor_step_s"]
 
 
@@ -798,7 +908,10 @@ MEASURED = ("rtt_ms_min", "rtt_ms_median", "rtt_ms_max", "rtt_samples", "ping_lo
 def shaping_text(link: LinkSpec, args: argparse.Namespace) -> str:
     if link.delay_ms is None:
         return f"veth, tbf burst {args.burst} latency {args.latency}"
-    return f"TUN + relay, per-sender rate without burst, queue {_ms(args.latency):g} ms, delay {link.delay_ms:g} ms"
+    text = f"TUN + relay, per-sender rate without burst, queue {_ms(args.latency):g} ms, delay {link.delay_ms:g} ms"
+    if link.sites is not None:
+        text += f"; between sites only (sites {','.join(map(str, link.sites))}; within a site: no limit, no delay)"
+    return text
 
 
 def configure_link(lab: Lab, link: LinkSpec, args: argparse.Namespace, stage_eps: list[Endpoint],
@@ -807,7 +920,7 @@ def configure_link(lab: Lab, link: LinkSpec, args: argparse.Namespace, stage_eps
     if link.delay_ms is None:
         lab.shape(link.rate_mbit, args.burst, args.latency)
         return stage_eps
-    lab.set_delay_links(link.rate_mbit, link.delay_ms, _ms(args.latency))
+    lab.set_delay_links(link.rate_mbit, link.delay_ms, _ms(args.latency), sites=endpoint_sites(link.sites))
     return delay_eps
 
 
@@ -824,22 +937,33 @@ def relay_summary(stats: dict | None) -> dict | None:
     return {"uptime_s": stats["uptime_s"], "cpu_s": stats["cpu_s"],
             "packets": sum(p["rx_packets"] for p in ports), "frames": sum(p["frames"] for p in ports),
             "wire_bytes": sum(p["wire_bytes"] for p in ports), "queue_drops": sum(p["queue_drops"] for p in ports),
+            "lan_packets": sum(p["lan_packets"] for p in ports), "lan_bytes": sum(p["lan_bytes"] for p in ports),
             "unroutable": sum(p["unroutable"] for p in ports), "write_errors": sum(p["write_errors"] for p in ports),
             "late_ms_p50_worst_link": worst("late_ms_p50"), "late_ms_p99_worst_link": worst("late_ms_p99"),
             "late_ms_max": worst("late_ms_max"), "max_queue_ms": max(p["max_queue_us"] for p in ports) / 1000}
 
 
-def check_link(lab: Lab, link: LinkSpec, endpoints: list[Endpoint], args: argparse.Namespace) -> dict:
-    """What the configured link really does between the first two stage namespaces: round-trip time of a UDP echo
-    (expect 2 x delay) and the throughput of a 2-second TCP transfer (expect the rate, less the header share)."""
+def _measure_pair(lab: Lab, src: Endpoint, dst: Endpoint) -> dict:
+    """``Lab.measure`` (20 pings, 2 s of TCP); a failure is recorded under ``error``, every number then None."""
     try:
-        m = lab.measure(endpoints[0], endpoints[1], pings=20, seconds=2.0)
+        return lab.measure(src, dst, pings=20, seconds=2.0)
     except NetnsError as err:  # recorded and printed; the runs on this link still go ahead
-        m = dict.fromkeys(MEASURED, None)
-        m["error"] = str(err)
+        return dict(dict.fromkeys(MEASURED, None), error=str(err))
+
+
+def check_link(lab: Lab, link: LinkSpec, endpoints: list[Endpoint], args: argparse.Namespace) -> dict:
+    """What the configured link really does between two stage namespaces (the first two; with sites, two
+    neighbouring stages in different sites): round-trip time of a UDP echo (expect 2 x delay) and the throughput of a
+    2-second TCP transfer (expect the rate, less the header share). With sites, a pair of neighbouring stages in one
+    site is measured too (``same_site``: expect no delay and no rate limit)."""
+    (a, b), same = probe_pairs(link.sites, len(endpoints))
+    m = _measure_pair(lab, endpoints[a], endpoints[b])
     expect = 2 * (link.delay_ms or 0.0)
+    last = len(endpoints) - 1  # endpoint i runs stage last - i
     rec = {"link": link.label, "rate_mbit": link.rate_mbit, "delay_ms": link.delay_ms, "link_kind": link.kind,
-           "shaping": shaping_text(link, args), "from": endpoints[0].addr, "to": endpoints[1].addr,
+           "sites": None if link.sites is None else list(link.sites),
+           "shaping": shaping_text(link, args), "from": endpoints[a].addr, "to": endpoints[b].addr,
+           "from_stage": last - a, "to_stage": last - b,
            "expected_rtt_ms": expect, "payload_ceiling_mbit_s": link.rate_mbit * PAYLOAD_SHARE[link.kind], **m}
     rec["throughput_ratio"] = m["steady_mbit_s"] / link.rate_mbit if m["steady_mbit_s"] else None
     rec["throughput_ratio_whole"] = m["mbit_s"] / link.rate_mbit if m["mbit_s"] else None
@@ -857,10 +981,26 @@ def check_link(lab: Lab, link: LinkSpec, endpoints: list[Endpoint], args: argpar
     for key in ("throughput_ratio", "throughput_ratio_whole"):
         if rec[key] is None or not lo <= rec[key] <= hi:
             problems.append(f"{key} {_fmt(rec[key], '.2f')} not in [{lo}, {hi}]")
+    rec["same_site"] = None
+    if same is not None:
+        rec["same_site"] = dict(_measure_pair(lab, endpoints[same[0]], endpoints[same[1]]), from_stage=last - same[0],
+                                to_stage=last - same[1], **{"from": endpoints[same[0]].addr,
+                                                            "to": endpoints[same[1]].addr})
+        problems += same_site_problems(rec["same_site"])
     rec["problems"] = problems
     rec["verdict"] = "ok" if not problems else "FAILED" if m.get("error") else "OFF"
     rec["relay"] = relay_summary(lab.relay_stats()) if link.delay_ms is not None else None
     return rec
+
+
+def same_site_problems(m: dict) -> list[str]:
+    """Within a site packets pass at once: a round trip there must stay under the slack allowed for scheduling."""
+    if m.get("error"):
+        return [f"same-site measurement failed: {m['error']}"]
+    if m["rtt_ms_median"] is None or m["rtt_ms_median"] > RTT_SLACK_MS:
+        return [f"same-site RTT median {_fmt(m['rtt_ms_median'], '.2f')} ms, not under {RTT_SLACK_MS:g} ms: the "
+                "site's LAN is not fast"]
+    return []
 
 
 LINK_LEGEND = (
@@ -889,9 +1029,20 @@ def print_link_checks(checks: list[dict]) -> None:
               f"{_fmt(c['throughput_ratio'], '.2f'):>5} {c['verdict']:>6} "
               f"{_fmt(relay.get('queue_drops'), 'd'):>5} {_fmt(relay.get('late_ms_p99_worst_link'), '.2f'):>5}")
     for c in checks:
+        if c.get("sites") is not None:
+            print(f"  {c['link']}: measured across sites, stages {c['from_stage']} -> {c['to_stage']}"
+                  + _same_site_text(c.get("same_site")))
         for problem in c["problems"]:
             print(f"  WARNING {c['link']}: {problem}")
     print(textwrap.fill(LINK_LEGEND, width=118))
+
+
+def _same_site_text(m: dict | None) -> str:
+    if m is None:
+        return "; no two neighbouring stages share a site"
+    rtt = "/".join(_fmt(m[k], ".2f") for k in ("rtt_ms_min", "rtt_ms_median", "rtt_ms_max"))
+    return (f"; within a site, stages {m['from_stage']} -> {m['to_stage']}: RTT {rtt} ms, TCP bulk "
+            f"{_fmt(m['steady_mbit_s'], '.1f')} Mbit/s, whole {_fmt(m['mbit_s'], '.1f')}")
 
 
 def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path: Path) -> None:
@@ -976,8 +1127,18 @@ CSV_FIELDS = [
 # ====================================================================================================================
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reads a per-boundary codec list that starts with an uncompressed boundary (``-,q4,-/-,q8,-``) as a value:
+    argparse would take any word that starts with ``-`` for an unknown option."""
+
+    def _parse_optional(self, arg_string):
+        if arg_string.startswith(("-,", "-/")):
+            return None
+        return super()._parse_optional(arg_string)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _Parser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="60 steps, validation every 20 (about a minute or two per run; 36 minutes for all the runs "
@@ -993,6 +1154,9 @@ def main(argv: list[str] | None = None) -> int:
                          "100@25 (user-space relay, 25 ms each way), 100@0 (relay, no delay) (default: 100 25)")
     ap.add_argument("--delay-ms", type=float, default=None,
                     help="one-way delay for every link given without @DELAY (then all go through the relay)")
+    ap.add_argument("--sites", type=parse_sites, default=None, metavar="S0,S1,...",
+                    help="a mixed cluster: the site of each stage, e.g. 0,0,1,1; the links' rate and delay then apply "
+                         "between sites only, within a site packets pass at once (needs delayed links)")
     ap.add_argument("--validate-only", action="store_true",
                     help="set up each link, print its measured RTT and throughput against its configuration, exit")
     ap.add_argument("--burst", default="8kb", help="tbf burst (keep it small, or small messages escape the shaping)")
@@ -1012,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="lazy-sampling p values of clapping-fu (none with an empty list)")
     ap.add_argument("--fc-extra", nargs="*", default=["q4/q4"], metavar="FWD/BWD",
                     help="further clapping-fc variants with these codec pairs on the shaped links (default q4/q4: "
-                         "4-bit gradients too; none with an empty list)")
+                         "4-bit gradients too; none with an empty list); a codec may be one per boundary, - for "
+                         "uncompressed: -,q4,-/-,q8,- compresses boundary 1 only")
     ap.add_argument("--no-direct", action="store_true",
                     help="leave out the direct-compression baseline (the codecs below, no error feedback, p = 1)")
     ap.add_argument("--no-aqsgd", action="store_true",
@@ -1044,6 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_only:
         return validate_only(mode, args)
     variants = make_variants(args)
+    check_variant_codecs(variants, mode.stages - 1)
     loop_variants = loopback_variants(variants, args)
     out = args.out or (Path(tempfile.gettempdir()) / "slow_network_tiny" if args.tiny else ROOT / "benchmarks/results")
     stem = output_stem(mode, args)
@@ -1054,6 +1220,7 @@ def main(argv: list[str] | None = None) -> int:
     base_cfg.update(cuts=cuts, threads=args.threads, strategy_timeout=300, schedule=args.schedule)
     info = machine()
     settings = dict(asdict(mode), budget=args.budget, burst=args.burst, latency=args.latency,
+                    sites=None if args.sites is None else list(args.sites),
                     shaping={x.label: shaping_text(x, args) for x in mode.links},
                     threads_per_rank=args.threads,
                     split_points=[f"blocks.{c}" for c in cuts], schedule=args.schedule,
@@ -1262,6 +1429,7 @@ def validate_only(mode: Mode, args: argparse.Namespace) -> int:
     (out / "slow_network_links.json").write_text(json.dumps(
         {"machine": {"kernel": platform.release(), "logical_cpus": os.cpu_count(), "load_average_at_end": list(load)},
          "settings": {"burst": args.burst, "latency": args.latency, "stages": mode.stages,
+                      "sites": None if args.sites is None else list(args.sites),
                       "links": [asdict(x) for x in mode.links]}, "links": checks}, indent=1))
     print(f"\nwrote {out / 'slow_network_links.json'} ({time.monotonic() - t0:.0f} s; load average "
           f"{', '.join(f'{x:.2f}' for x in load)})")

@@ -496,3 +496,173 @@ def test_tiny_mode_runs_over_a_delayed_link(tiny_delayed_run):
     assert unc["verdict"] == "reported (not a target)" and unc["value"] == pytest.approx(
         runs[("100 Mbit/s 10 ms", "uncompressed")]["x_delay_floor"])
     assert (out / "slow_network_delay.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------- mixed cluster: sites, codecs
+
+
+def _mode_args(links, sites, delay_ms=None, tiny=False):
+    import slow_network
+
+    return argparse.Namespace(tiny=tiny, quick=True, steps=None, val_every=None, val_batches=None, skip=None,
+                              seed=None, links=[slow_network.parse_link(x) for x in links], delay_ms=delay_ms,
+                              sites=None if sites is None else slow_network.parse_sites(sites))
+
+
+def test_sites_give_one_site_per_stage_on_delayed_links_only():
+    import slow_network
+
+    assert slow_network.parse_sites("0,0,1,1") == (0, 0, 1, 1) and slow_network.parse_sites("2, 0") == (2, 0)
+    for bad, why in (("", "one site number"), ("0,,1", "one site number"), ("a,b", "one site number"),
+                     ("0,-1", "one site number"), ("1,1,1,1", "at least two sites")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            slow_network.parse_sites(bad)
+    mode = slow_network.make_mode(_mode_args(["25@25", "100@0"], "0,0,1,1"))
+    assert [x.sites for x in mode.links] == [(0, 0, 1, 1)] * 2
+    assert [(x.rate_mbit, x.delay_ms) for x in mode.links] == [(25.0, 25.0), (100.0, 0.0)]
+    assert slow_network.make_mode(_mode_args(["100"], "0,1,1,1", delay_ms=10)).links[0].sites == (0, 1, 1, 1)
+    assert slow_network.make_mode(_mode_args(["25@25"], None)).links[0].sites is None
+    with pytest.raises(SystemExit, match="needs delayed links.*100 Mbit/s"):
+        slow_network.make_mode(_mode_args(["25@25", "100"], "0,0,1,1"))
+    with pytest.raises(SystemExit, match="4 stages need 4 site numbers, got 3"):
+        slow_network.make_mode(_mode_args(["25@25"], "0,0,1"))
+    assert slow_network.make_mode(_mode_args(["25@25"], "0,1", tiny=True)).links[0].sites == (0, 1)
+
+
+def test_a_mixed_link_never_reads_as_a_uniform_one():
+    import slow_network
+
+    uniform = slow_network.parse_link("25@25")
+    mixed = slow_network.make_mode(_mode_args(["25@25"], "0,0,1,1")).links[0]
+    assert mixed.label == "25 Mbit/s 25 ms (sites 0,0,1,1)" and uniform.label == "25 Mbit/s 25 ms"
+    assert mixed.key == "25mbit_25ms_sites0-0-1-1" and uniform.key == "25mbit_25ms"
+    assert mixed != uniform and mixed.kind == uniform.kind == "tun+relay"
+    args = argparse.Namespace(burst="8kb", latency="100ms")
+    assert "between sites only" in slow_network.shaping_text(mixed, args)
+    assert "sites" not in slow_network.shaping_text(uniform, args)
+    for name, stem in (("quick", "slow_network_delay_mixed_quick"), ("full", "slow_network_delay_mixed")):
+        mode = slow_network.Mode(name, links=[mixed])
+        assert slow_network.output_stem(mode, argparse.Namespace(stem=None)) == stem
+
+
+def test_the_sites_of_the_stages_are_given_to_the_endpoints_that_run_them():
+    import slow_network
+
+    # endpoint (global rank) i runs stage S - 1 - i: the per-stage list is reversed
+    assert slow_network.endpoint_sites((0, 0, 0, 1)) == [1, 0, 0, 0]
+    assert slow_network.endpoint_sites(None) is None
+    # the link check: neighbouring stages across sites (the slow boundary), and neighbours within a site
+    assert slow_network.probe_pairs(None, 4) == ((0, 1), None)
+    assert slow_network.probe_pairs((0, 0, 1, 1), 4) == ((1, 2), (0, 1))
+    assert slow_network.probe_pairs((0, 0, 0, 1), 4) == ((0, 1), (1, 2))
+    assert slow_network.probe_pairs((0, 1), 2) == ((0, 1), None)
+
+
+def test_the_link_check_of_a_mixed_cluster_measures_across_sites_and_within_one():
+    import slow_network
+    from _netns import Endpoint
+
+    class FakeLab:
+        def __init__(self, same_rtt):
+            self.pairs, self.same_rtt = [], same_rtt
+
+        def measure(self, src, dst, pings, seconds):
+            self.pairs.append((src.addr, dst.addr))
+            cross = src.ns[-1] != dst.ns[-1]  # the namespace's last letter is its site here
+            rtt = 50.5 if cross else self.same_rtt
+            return dict(dict.fromkeys(slow_network.MEASURED, None), rtt_ms_min=rtt, rtt_ms_median=rtt,
+                        rtt_ms_max=rtt, owd_ms_there_min=rtt / 2, owd_ms_back_min=rtt / 2,
+                        steady_mbit_s=24.0 if cross else 900.0, mbit_s=20.0 if cross else 800.0)
+
+        def relay_stats(self):
+            return None
+
+    # stages 0,0,1,1 run on endpoints 3,2,1,0: endpoints 0 and 1 are site 1, endpoints 2 and 3 site 0
+    eps = [Endpoint(f"ns{i}s{site}", f"d{i}", f"10.77.1.{i + 1}") for i, site in enumerate((1, 1, 0, 0))]
+    args = argparse.Namespace(burst="8kb", latency="100ms")
+    link = slow_network.make_mode(_mode_args(["25@25"], "0,0,1,1")).links[0]
+    lab = FakeLab(same_rtt=0.4)
+    check = slow_network.check_link(lab, link, eps, args)
+    assert lab.pairs == [("10.77.1.2", "10.77.1.3"), ("10.77.1.1", "10.77.1.2")]
+    assert (check["from_stage"], check["to_stage"], check["rtt_ms_median"]) == (2, 1, 50.5)
+    assert check["verdict"] == "ok", check["problems"]
+    assert check["sites"] == [0, 0, 1, 1] and check["same_site"]["rtt_ms_median"] == 0.4
+    assert (check["same_site"]["from_stage"], check["same_site"]["to_stage"]) == (3, 2)
+    slow = slow_network.check_link(FakeLab(same_rtt=50.5), link, eps, args)  # the LAN is shaped too: wrong
+    assert slow["verdict"] == "OFF" and "same-site RTT" in slow["problems"][0]
+    slow_network.print_link_checks([check, slow])
+    # the relay gets the sites in the order of its endpoints, and the queue bound as before
+    class RecordingLab:
+        def set_delay_links(self, *given, **named):
+            self.given = (given, named)
+
+    lab = RecordingLab()
+    assert slow_network.configure_link(lab, link, args, [], eps) == eps
+    assert lab.given == ((25.0, 25.0, 100.0), {"sites": [1, 1, 0, 0]})
+    slow_network.configure_link(lab, slow_network.parse_link("25@25"), args, [], eps)
+    assert lab.given == ((25.0, 25.0, 100.0), {"sites": None})
+    # without sites: stage namespaces 0 and 1 as before, nothing within a site
+    lab = FakeLab(same_rtt=0.4)
+    plain = slow_network.check_link(lab, slow_network.parse_link("25@25"), eps[:2], args)
+    assert lab.pairs == [("10.77.1.1", "10.77.1.2")] and plain["same_site"] is None and plain["sites"] is None
+
+
+def test_the_delay_floor_of_a_mixed_cluster_counts_the_boundaries_between_sites():
+    import slow_network
+
+    rows = _delayed_rows(0.4)
+    for r in rows[1:3]:
+        r["sites"] = [0, 0, 1, 1]  # one boundary crosses sites: 0.2 s + 2 x 1 x 25 ms
+    slow_network.add_comparisons(rows)
+    assert rows[2]["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 0.025)
+    assert rows[4]["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 3 * 0.025)  # no sites: every boundary
+
+
+def test_a_codec_per_boundary_becomes_the_strategys_map():
+    import slow_network
+    from lightning_clapping.codecs import get_codec
+
+    codec_arg = slow_network.codec_arg
+    assert codec_arg("q4", 3) == "q4" and codec_arg("q4", 3, get_codec) == "q4"
+    assert codec_arg("-,q4,-", 3, get_codec) == {1: "q4"}
+    assert codec_arg("q8, -, topk:0.1+q8", 3, get_codec) == {0: "q8", 2: "topk:0.1+q8"}
+    assert codec_arg("-,-,-", 3) == {} and codec_arg("-", 1) == {}
+    for bad, why in (("-,q4", "3 boundaries need 3 entries, got 2"), ("-,q4,-,q4", "got 4"),
+                     ("-,,q4", "boundary 1 is empty")):
+        with pytest.raises(ValueError, match=why):
+            codec_arg(bad, 3)
+    with pytest.raises(ValueError, match="boundary 1: unknown codec 'q4x'"):
+        codec_arg("-,q4x,-", 3, get_codec)
+    assert codec_arg("-,q4x,-", 3) == {1: "q4x"}  # the launcher checks only the form: names are the worker's
+    # the strategy takes the map: boundary 1 compressed, the others sent uncompressed
+    import lightning_clapping
+
+    strategy = lightning_clapping.ClappingStrategy(split_points=["a", "b", "c"], variant="clapping-fc",
+                                                   forward_codec=codec_arg("-,q4,-", 3, get_codec),
+                                                   backward_codec=codec_arg("-,q8,-", 3, get_codec))
+    assert strategy.make_rule(0, "fwd", True).variant == "uncompressed"
+    assert strategy.make_rule(1, "fwd", True).codec.name == "q4" and strategy.make_rule(1, "bwd", True).codec.name \
+        == "q8"
+
+
+def test_a_per_boundary_codec_pair_is_a_readable_variant_and_its_length_is_checked():
+    import slow_network
+
+    variants = slow_network.make_variants(_variant_args(fc_extra=["-,q4,-/-,q8,-"], no_auto=True))
+    extra = next(v for v in variants if "," in v.forward_codec)
+    assert (extra.label, extra.variant, extra.forward_codec, extra.backward_codec) == (
+        "clapping-fc p=0.5 -,q4,-/-,q8,-", "clapping-fc", "-,q4,-", "-,q8,-")
+    slow_network.check_variant_codecs(variants, 3)
+    short = slow_network.make_variants(_variant_args(fc_extra=["-,q4/-,q8,-"], no_auto=True))
+    with pytest.raises(SystemExit, match="clapping-fc p=0.5 -,q4/-,q8,-: .*3 boundaries need 3 entries, got 2"):
+        slow_network.check_variant_codecs(short, 3)
+
+
+def test_a_per_boundary_codec_list_that_starts_uncompressed_is_read_as_a_value_not_an_option():
+    import slow_network
+
+    # parsing gets past --fc-extra and --forward-codec, and the run is refused later for its plain link
+    argv = ["--fc-extra", "-,q4,-/-,q8,-", "-,-,q4/q8", "--forward-codec", "-,q4,-", "--links", "25", "--sites",
+            "0,0,1,1"]
+    with pytest.raises(SystemExit, match="--sites needs delayed links"):
+        slow_network.main(argv)

@@ -130,6 +130,25 @@ def test_each_stage_link_delays_what_its_stage_sends(lab_tag):
         assert delays[j] <= m["owd_ms_back_min"] and m["owd_ms_back"] <= delays[j] + RTT_SLACK_MS / 2, (i, j, m)
 
 
+def test_within_a_site_packets_pass_at_once_and_between_sites_they_take_the_link(lab_tag):
+    """A mixed cluster: stages 0 and 1 share a site (a LAN), stage 2 is behind the slow link."""
+    d = DELAY_MS
+    with Lab(tag=lab_tag) as lab:
+        eps = lab.build_delay_star(3)
+        lab.set_delay_links(RATE_MBIT, d, sites=[0, 0, 1])
+        same = lab.measure(eps[0], eps[1], pings=10, seconds=0)
+        cross = lab.measure(eps[1], eps[2], pings=10, seconds=0)
+        stats = {p["addr"]: p for p in lab.relay_stats()["ports"]}
+    assert same["ping_lost"] == cross["ping_lost"] == 0
+    assert same["rtt_ms_median"] < d / 4, same["rtt_samples"]
+    assert 2 * d <= cross["rtt_ms_min"] and cross["rtt_ms_median"] <= 2 * d + RTT_SLACK_MS, cross["rtt_samples"]
+    # the LAN traffic is counted apart from what crossed sites
+    first, second = stats[eps[0].addr], stats[eps[1].addr]
+    assert first["lan_packets"] >= 10 and first["wire_bytes"] == 0, first
+    assert second["lan_packets"] >= 10 and second["wire_bytes"] > 0, second
+    assert stats[eps[2].addr]["lan_packets"] == 0
+
+
 def test_nothing_is_left_when_the_body_raises(lab_tag):
     with pytest.raises(RuntimeError, match="the test body failed"):
         with Lab(tag=lab_tag) as lab:
@@ -169,13 +188,17 @@ def test_the_relay_dies_with_the_process_that_started_it(lab_tag):
     _clean(lab_tag)  # what a killed launcher cannot delete: namespaces (not a leftover of the code under test)
 
 
-def test_a_negative_delay_or_a_wrong_number_of_links_is_refused(lab_tag):
+def test_a_negative_delay_a_wrong_number_of_links_or_wrong_sites_are_refused(lab_tag):
     with Lab(tag=lab_tag) as lab:
         lab.build_delay_star(2)
         with pytest.raises(ValueError, match="negative"):
             lab.set_delay_links(10, [5, -1])
         with pytest.raises(ValueError, match="2 values"):
             lab.set_delay_links(10, [5, 5, 5])
+        with pytest.raises(ValueError, match="one site number per stage, 2 in all"):
+            lab.set_delay_links(10, 5, sites=[0, 1, 1])
+        with pytest.raises(ValueError, match="integers"):
+            lab.set_delay_links(10, 5, sites=[0, "1"])
         assert lab.relay is None
 
 
