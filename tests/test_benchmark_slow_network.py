@@ -496,3 +496,26 @@ def test_tiny_mode_runs_over_a_delayed_link(tiny_delayed_run):
     assert unc["verdict"] == "reported (not a target)" and unc["value"] == pytest.approx(
         runs[("100 Mbit/s 10 ms", "uncompressed")]["x_delay_floor"])
     assert (out / "slow_network_delay.png").stat().st_size > 0
+
+
+def test_loopback_only_runs_every_variant_on_loopback_and_no_shaped_link():
+    import slow_network
+
+    variants = slow_network.make_variants(_variant_args(no_auto=True))
+    loop = slow_network.loopback_variants(variants, _variant_args(loopback_only=True))
+    assert [v.label for v in loop] == [v.label for v in variants]
+    # without the flag: uncompressed and the main clapping-fc, as before
+    assert len(slow_network.loopback_variants(variants, _variant_args(loopback_only=False))) == 2
+
+
+def test_what_autotune_chose_is_recorded_per_boundary_and_direction():
+    import slow_network
+    from lightning_clapping.autotune import Choice
+
+    def choice(boundary, fwd, bwd):
+        return Choice(boundary, "clapping-fc", fwd, bwd, 0, 0, 0.0, 0.0, 0.0, 0.0, True, True)
+
+    chosen = {1: choice(1, "q4", "uncompressed"), 0: choice(0, "bf16", "q8")}
+    assert slow_network.autotune_choice(chosen) == {"0": {"fwd": "bf16", "bwd": "q8"},
+                                                    "1": {"fwd": "q4", "bwd": "uncompressed"}}
+    assert slow_network.autotune_choice(None) is None and slow_network.autotune_choice({}) is None
