@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -294,34 +292,44 @@ CSV_FIELDS = ["link", "rate_mbit", "delay_ms", "setting", "mean_step_s", "median
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Time to target against bandwidth, one line per setting; a link where it never got there is an x at the
-    top."""
+    """Time to target against bandwidth, one line per setting; where a setting never got there within its budget,
+    an x in its colour above the lines. A setting without a measurement (a failed run, no trajectory) is left out
+    there; the table says why."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    top = ax.get_xaxis_transform()  # x in data, y in axes fraction
-    missed_label = "not reached"
-    for setting in dict.fromkeys(r["setting"] for r in rows):
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {s: cycle[j % len(cycle)] for j, s in enumerate(settings)}
+    rates = sorted({r["rate_mbit"] for r in rows})
+    ax.set_xscale("log")
+    ax.set_xlim(rates[0] / 1.3, rates[-1] * 1.3)  # fixed first: also with one link, or only "not reached" marks
+    for setting in settings:
         mine = sorted((r for r in rows if r["setting"] == setting), key=lambda r: r["rate_mbit"])
         pts = [(r["rate_mbit"], r["time_to_target_s"]) for r in mine if r["time_to_target_s"] is not None]
-        line = ax.plot(*zip(*pts), marker="o", label=setting)[0] if pts else None
-        colour = line.get_color() if line else None
-        for r in (r for r in mine if r["time_to_target_s"] is None):
-            ax.plot([r["rate_mbit"]], [0.97], "x", color=colour, ms=9, mew=2, transform=top, clip_on=False,
-                    label=missed_label if line is None else None)
-            missed_label = None
-    ax.set_xscale("log")
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=setting, color=colour[setting])
     ax.set_yscale("log")
-    rates = sorted({r["rate_mbit"] for r in rows})
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high * 2.5)  # room above the lines for the "not reached" marks
+    top = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    for setting in settings:
+        missed = [r["rate_mbit"] for r in rows if r["setting"] == setting and r["status"].startswith("not reached")]
+        if missed:
+            ax.plot(missed, [0.95] * len(missed), "x", color=colour[setting], ms=9, mew=2, transform=top,
+                    label=f"{setting}: not reached")
     ax.set_xticks(rates, [f"{x:g}" for x in rates])
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
     delays = sorted({r["delay_ms"] for r in rows if r["delay_ms"] is not None})
     ax.set_xlabel("link rate, Mbit/s" + (f" ({', '.join(f'{d:g}' for d in delays)} ms one-way delay)"
                                          if delays else ""))
     ax.set_ylabel("time to target, s (steps x mean step)")
-    ax.set_title("time to the target loss (x at the top: not reached)", fontsize=10)
+    ax.set_title("time to the target loss; x at the top: not reached within the step budget", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -408,35 +416,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_phase(cmd: list[str], path: Path) -> tuple[int, dict | None]:
+    """One slow_network invocation and the JSON it wrote (None if it wrote none; an older file is removed first, so
+    a failed run is never mistaken for a finished one)."""
+    path.unlink(missing_ok=True)
+    rc = run_slow_network(cmd)
+    return rc, json.loads(path.read_text()) if path.exists() else None
+
+
+def runnable_pairs(pairs: list[str]) -> list[str]:
+    """The pairs a slow_network without per-boundary codec strings still takes as separate arguments: argparse
+    reads a value that begins with ``-`` (``-,q4,-/...``) as an unknown option."""
+    return [p for p in pairs if not p.startswith(NO_CODEC)]
+
+
+def run_phases(args: argparse.Namespace) -> tuple[int, dict | None, dict | None]:
+    """Step times on every link first (they say what auto chose), then the loopback trajectories."""
+    timing, trajectories = estimate_seconds(args)
+    print(f"estimated duration: step times {timing / 60:.0f} min, full-length loopback runs "
+          f"{trajectories / 60:.0f} min (one extra run per distinct choice of auto beyond the first), "
+          f"{(timing + trajectories) / 60:.0f} min in all; timings need an otherwise idle machine", flush=True)
+    t0 = time.monotonic()
+    rc, steps_json = run_phase(timing_command(args), args.out / f"{args.stem}_steps.json")
+    if steps_json is None:
+        return rc or 2, None, None
+    pairs = auto_pairs(steps_json["runs"], args)
+    print("\nauto chose per link: " + "; ".join(
+        f"{r['link']}: {choice_pair(r['autotune_choice']) if r.get('autotune_choice') else 'nothing recorded'}"
+        for r in steps_json["runs"] if is_auto(r)) + (f"; extra fixed runs: {', '.join(pairs)}" if pairs else ""))
+    path = args.out / f"{args.stem}_trajectories.json"
+    rc2, trajectories_json = run_phase(trajectory_command(args, pairs), path)
+    kept = runnable_pairs(pairs)
+    if trajectories_json is None and kept != pairs:
+        print(f"time_to_target: slow_network refused {', '.join(p for p in pairs if p not in kept)}; running "
+              "without (auto on those links: no trajectory)", file=sys.stderr)
+        rc2, trajectories_json = run_phase(trajectory_command(args, kept), path)
+    print(f"\nboth phases: {(time.monotonic() - t0) / 60:.1f} min")
+    rc = max(rc, rc2)
+    return (rc if trajectories_json is not None else rc or 2), steps_json, trajectories_json
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = " ".join(["python", "benchmarks/time_to_target.py", *(sys.argv[1:] if argv is None else argv)])
     if args.from_json:
-        steps_json, trajectories_json = (json.loads(p.read_text()) for p in args.from_json)
         rc = 0
+        steps_json, trajectories_json = (json.loads(p.read_text()) for p in args.from_json)
     else:
-        timing, trajectories = estimate_seconds(args)
-        print(f"estimated duration: step times {timing / 60:.0f} min, full-length loopback runs "
-              f"{trajectories / 60:.0f} min (one extra run per distinct choice of auto beyond the first), "
-              f"{(timing + trajectories) / 60:.0f} min in all; timings need an otherwise idle machine", flush=True)
-        t0 = time.monotonic()
-        rc = run_slow_network(timing_command(args))
-        steps_path = args.out / f"{args.stem}_steps.json"
-        if not steps_path.exists():
-            print(f"time_to_target: the step-time runs wrote no {steps_path}", file=sys.stderr)
-            return 2
-        steps_json = json.loads(steps_path.read_text())
-        pairs = auto_pairs(steps_json["runs"], args)
-        print(f"\nauto chose per link: " + "; ".join(
-            f"{r['link']}: {choice_pair(r['autotune_choice']) if r.get('autotune_choice') else 'nothing recorded'}"
-            for r in steps_json["runs"] if is_auto(r)) + (f"; extra fixed runs: {', '.join(pairs)}" if pairs else ""))
-        rc = max(rc, run_slow_network(trajectory_command(args, pairs)))
-        trajectories_path = args.out / f"{args.stem}_trajectories.json"
-        if not trajectories_path.exists():
-            print(f"time_to_target: the loopback runs wrote no {trajectories_path}", file=sys.stderr)
-            return 2
-        trajectories_json = json.loads(trajectories_path.read_text())
-        print(f"\nboth phases: {(time.monotonic() - t0) / 60:.1f} min")
+        rc, steps_json, trajectories_json = run_phases(args)
+        if steps_json is None or trajectories_json is None:
+            print(f"time_to_target: slow_network wrote no {'step-time' if steps_json is None else 'trajectory'} "
+                  f"results under {args.out}", file=sys.stderr)
+            return rc
     result = report(steps_json, trajectories_json, args, command)
     print()
     print_table(result)

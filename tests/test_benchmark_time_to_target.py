@@ -174,4 +174,17 @@ def test_from_json_recombines_saved_results_without_running_anything(tmp_path):
     assert saved["commands"] == {"step_times": "slow_network.py --links 10@25",
                                  "trajectories": "slow_network.py --loopback-only"}
     assert saved["link_checks"] == steps["links"] and saved["machine"]["step_times"] == {"cpu": "test"}
-    assert (tmp_path / "r.csv").exists()
+    assert (tmp_path / "r.csv").exists() and (tmp_path / "r.png").exists()
+
+
+def test_per_boundary_codecs_that_an_older_slow_network_refuses_are_left_out_of_the_retry():
+    # argparse reads a separate argument that begins with "-" as an unknown option
+    assert ttt.runnable_pairs(["bf16/q8", "-,q4,-/-,q8,-", "q8/-,-,-"]) == ["bf16/q8", "q8/-,-,-"]
+
+
+def test_the_default_run_is_estimated_to_fit_in_40_minutes():
+    timing, trajectories = ttt.estimate_seconds(_args(), auto_extra=2)  # auto: two choices besides q4/q8
+    assert timing + trajectories < 40 * 60
+    # and the estimate grows with what is asked (it is not a constant)
+    longer = ttt.parse_args(["--timing-steps", "60", "--steps", "500"])
+    assert sum(ttt.estimate_seconds(longer, auto_extra=2)) > timing + trajectories + 10 * 60
