@@ -72,6 +72,8 @@ Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test, a fe
 with 4 ranks on 2 cores each run takes 40-180 s, process start-up included: all 26 runs over ``--links 100@0 100@25
 25@25`` took 36 minutes; leave rows out with ``--no-direct``, ``--no-aqsgd``, ``--no-auto``, ``--fc-extra`` and
 ``--fu-p`` without values), default (400 steps). ``--schedule gpipe`` runs every setting with GPipe instead of 1F1B.
+``--loopback-only`` runs every variant on loopback and no shaped link (``benchmarks/time_to_target.py`` takes the loss
+trajectories from it). A run with autotune records what it chose per boundary (``autotune_choice``).
 
 Results: ``STEM.json`` (everything, per step), ``.csv`` (one row per run) and ``.png`` under ``--out``, STEM being
 ``--stem`` or ``slow_network`` + ``_delay`` (a link with delay) + ``_quick`` (quick mode), so quick and delayed runs do
@@ -342,7 +344,10 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
 
 def loopback_variants(variants: list[Variant], args: argparse.Namespace) -> list[Variant]:
     """On loopback: uncompressed (the communication-free limit) and, unless --no-loopback-fc or --tiny, the main
-    clapping-fc (it shows the codecs' compute cost without a network)."""
+    clapping-fc (it shows the codecs' compute cost without a network). With --loopback-only every variant: the loss
+    trajectories do not depend on the link, so loopback gives them without a shaped link's cost."""
+    if getattr(args, "loopback_only", False):
+        return list(variants)
     out = [v for v in variants if v.variant == "uncompressed"]
     if not (args.no_loopback_fc or args.tiny):
         out += [v for v in variants if v.variant == "clapping-fc" and not v.autotune][:1]
@@ -404,6 +409,14 @@ def align_step_metrics(steps: list[dict], lag: int) -> list[dict]:
             row.update((k, x) for k, x in steps[i + lag].items() if k.startswith(LAGGED_PREFIX))
         out.append(row)
     return out
+
+
+def autotune_choice(choices: dict | None) -> dict[str, dict[str, str]] | None:
+    """What autotune picked (the strategy's ``_autotuned``: boundary -> Choice), as JSON: ``{"0": {"fwd": "q4",
+    "bwd": "uncompressed"}, ...}``. A run's loss trajectory depends on it, so it is recorded with the run."""
+    if not choices:
+        return None
+    return {str(b): {d: c.setting(d) for d in ("fwd", "bwd")} for b, c in sorted(choices.items())}
 
 
 def worker(config_path: str) -> None:
@@ -500,6 +513,8 @@ def worker(config_path: str) -> None:
         "rank": rank, "stage": stages - 1 - rank, "ifname": ifname, "steps": align_step_metrics(recorder.steps, lag),
         "metrics_lag": lag, "byte_totals": dict(totals) if totals else None, "vals": recorder.vals,
         "autotune": {k: float(x) for k, x in trainer.callback_metrics.items() if k.startswith("autotune/")},
+        "autotune_choice": autotune_choice(getattr(strategy, "_autotuned", None)),
+        "schedule": getattr(strategy, "schedule", None),
         "train_tx": recorder.train_tx, "train_rx": recorder.train_rx, "val_tx": recorder.val_tx,
         "val_rx": recorder.val_rx, "setup_seconds": t_fit - t_start, "fit_seconds": time.perf_counter() - t_fit,
         "torch_threads": torch.get_num_threads(),
@@ -685,6 +700,7 @@ def summarize(raw: dict, mode: Mode, link: LinkSpec | None, variant: Variant, co
         p10_step_s=_quantile(timed, 0.1), p90_step_s=_quantile(timed, 0.9), first_step_s=times[0],
         train_seconds=total, bytes_per_step=bytes_per_step, byte_totals=totals or None,
         metrics_lag=r0.get("metrics_lag", 0), autotune=r0.get("autotune") or None,
+        autotune_choice=r0.get("autotune_choice"), schedule=r0.get("schedule"),
         median_bytes_per_step=med("clapping/bytes"),
         fp32_bytes_per_step=2 * (S - 1) * fp32, logged_ratio=med("clapping/ratio"),
         fwd_bytes_per_boundary=[_mean([s.get(f"clapping/b{m}_fwd_bytes") for s in steps]) for m in range(S - 1)],
@@ -1058,7 +1074,8 @@ def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path:
                                 + [r["variant"] for r in ok]))
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     colour = {label: cycle[j % len(cycle)] for j, label in enumerate(labels)}
-    fig, axes = plt.subplots(1, 1 + len(links), figsize=(5.5 * (1 + len(links)), 4.3))
+    fig, axes = plt.subplots(1, 1 + len(links), figsize=(5.5 * (1 + len(links)), 4.3), squeeze=False)
+    axes = axes[0]  # one row; also an array with the loopback panel alone (--loopback-only)
     ax = axes[0]
     width = 0.8 / max(1, len(labels))
     for j, label in enumerate(labels):
@@ -1193,6 +1210,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="pipeline schedule of every run (default 1f1b; gpipe runs all forwards, then all backwards)")
     ap.add_argument("--no-loopback-fc", action="store_true",
                     help="skip clapping-fc on loopback (it shows the codecs' compute cost without a network)")
+    ap.add_argument("--loopback-only", action="store_true",
+                    help="run every variant on loopback and no shaped link (the loss trajectories, which do not "
+                         "depend on the link; benchmarks/time_to_target.py uses them)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the per-rank logs (their folder is printed)")
     ap.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -1201,6 +1221,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     mode = make_mode(args)
+    if args.loopback_only:
+        mode.links = []
     delayed = any(x.delay_ms is not None for x in mode.links)
     reason = delay_unavailable_reason() if delayed else unavailable_reason()
     if reason:

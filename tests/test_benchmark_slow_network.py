@@ -666,3 +666,26 @@ def test_a_per_boundary_codec_list_that_starts_uncompressed_is_read_as_a_value_n
             "0,0,1,1"]
     with pytest.raises(SystemExit, match="--sites needs delayed links"):
         slow_network.main(argv)
+
+
+def test_loopback_only_runs_every_variant_on_loopback_and_no_shaped_link():
+    import slow_network
+
+    variants = slow_network.make_variants(_variant_args(no_auto=True))
+    loop = slow_network.loopback_variants(variants, _variant_args(loopback_only=True))
+    assert [v.label for v in loop] == [v.label for v in variants]
+    # without the flag: uncompressed and the main clapping-fc, as before
+    assert len(slow_network.loopback_variants(variants, _variant_args(loopback_only=False))) == 2
+
+
+def test_what_autotune_chose_is_recorded_per_boundary_and_direction():
+    import slow_network
+    from lightning_clapping.autotune import Choice
+
+    def choice(boundary, fwd, bwd):
+        return Choice(boundary, "clapping-fc", fwd, bwd, 0, 0, 0.0, 0.0, 0.0, 0.0, True, True)
+
+    chosen = {1: choice(1, "q4", "uncompressed"), 0: choice(0, "bf16", "q8")}
+    assert slow_network.autotune_choice(chosen) == {"0": {"fwd": "bf16", "bwd": "q8"},
+                                                    "1": {"fwd": "q4", "bwd": "uncompressed"}}
+    assert slow_network.autotune_choice(None) is None and slow_network.autotune_choice({}) is None
