@@ -256,6 +256,7 @@ class Variant:
     forward_codec: str = "q4"
     backward_codec: str = "q8"
     autotune: bool = False  # ClappingStrategy(autotune=True): the strategy picks each boundary's codecs itself
+    schedule: str | None = None  # this row's own schedule ("auto": autotune may switch); None: the run's --schedule
 
     @property
     def sample_ids(self) -> bool:
@@ -339,6 +340,9 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
         out += [Variant(f"clapping-fu p={p:g}", "clapping-fu", p, fwd, bwd) for p in args.fu_p]
     if not getattr(args, "no_auto", False) and strategy_accepts("autotune"):
         out.append(Variant(f"auto p={args.p:g}", "clapping-fc", args.p, fwd, bwd, autotune=True))
+        if getattr(args, "auto_schedule", False):
+            out.append(Variant(f"auto p={args.p:g} schedule=auto", "clapping-fc", args.p, fwd, bwd, autotune=True,
+                               schedule="auto"))
     return out
 
 
@@ -494,8 +498,8 @@ def worker(config_path: str) -> None:
     data = lightning_clapping.LazySamplingDataModule(dm, p=v["p"], seed=cfg["seed"]) if wrap else dm
     extra = {"autotune": True} if v.get("autotune") else {}  # only then: older strategies lack the keyword
     strategy = lightning_clapping.ClappingStrategy(
-        split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"], schedule=cfg["schedule"],
-        variant=v["variant"], forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
+        split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"],
+        schedule=v.get("schedule") or cfg["schedule"], variant=v["variant"], forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
         backward_codec=codec_arg(v["backward_codec"], stages - 1, get_codec),
         timeout=timedelta(seconds=cfg["strategy_timeout"]), **extra)
     recorder = Recorder()
@@ -1200,6 +1204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-aqsgd", action="store_true",
                     help="leave out the AQ-SGD baseline (forward: per-sample buffers, first visits in full; backward: "
                          "direct; the codecs below, p = 1)")
+    ap.add_argument("--auto-schedule", action="store_true",
+                    help="also run auto with schedule='auto' (it starts with 1F1B and may switch to GPipe)")
     ap.add_argument("--no-auto", action="store_true",
                     help="leave out the autotune row (clapping-fc at --p with autotune=True; only added when the "
                          "strategy has that parameter)")

@@ -259,6 +259,10 @@ def test_the_auto_row_follows_the_strategys_autotune_parameter(monkeypatch):
     assert (auto.label, auto.variant, auto.p, auto.autotune) == ("auto p=0.5", "clapping-fc", 0.5, True)
     assert auto.label not in [v.label for v in slow_network.loopback_variants(variants, _variant_args())]
     assert not any(v.autotune for v in slow_network.make_variants(_variant_args(no_auto=True)))
+    assert auto.schedule is None  # the run's --schedule
+    both = slow_network.make_variants(_variant_args(auto_schedule=True))
+    assert [(v.label, v.schedule) for v in both if v.autotune] == [("auto p=0.5", None),
+                                                                   ("auto p=0.5 schedule=auto", "auto")]
     monkeypatch.setattr(slow_network, "strategy_accepts", lambda name: False)
     assert not any(v.autotune for v in slow_network.make_variants(_variant_args()))
 
