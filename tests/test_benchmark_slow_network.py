@@ -263,6 +263,11 @@ def test_the_auto_row_follows_the_strategys_autotune_parameter(monkeypatch):
     both = slow_network.make_variants(_variant_args(auto_schedule=True))
     assert [(v.label, v.schedule) for v in both if v.autotune] == [("auto p=0.5", None),
                                                                    ("auto p=0.5 schedule=auto", "auto")]
+    frontier = {v.label: v for v in slow_network.make_variants(_variant_args(frontier=True))}
+    best = frontier["clapping-fu p=0.5 randk fresh-q4"]  # the quality benchmark's best frontier configuration
+    assert (best.variant, best.p, best.forward_codec, best.backward_codec, best.fresh_codec) == (
+        "clapping-fu", 0.5, "randk:0.1+q4", "randk:0.1+q4", "q4:fp16")
+    assert best.label not in {v.label for v in variants}  # only with --frontier
     monkeypatch.setattr(slow_network, "strategy_accepts", lambda name: False)
     assert not any(v.autotune for v in slow_network.make_variants(_variant_args()))
 
