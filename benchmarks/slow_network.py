@@ -510,7 +510,8 @@ def worker(config_path: str) -> None:
         extra["fresh_codec"] = v["fresh_codec"]
     strategy = lightning_clapping.ClappingStrategy(
         split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"],
-        schedule=v.get("schedule") or cfg["schedule"], variant=v["variant"], forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
+        schedule=v.get("schedule") or cfg["schedule"], variant=v["variant"],
+        forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
         backward_codec=codec_arg(v["backward_codec"], stages - 1, get_codec),
         timeout=timedelta(seconds=cfg["strategy_timeout"]), **extra)
     recorder = Recorder()

@@ -726,7 +726,8 @@ def _step_of(choices: Mapping[int, Choice]) -> float | None:
     return next(iter(choices.values())).step_s if choices else None
 
 
-def codec_times(specs: Sequence[TensorSpec], settings: Sequence[str], repeats: int = 3) -> dict[str, tuple[float, float]]:
+def codec_times(specs: Sequence[TensorSpec], settings: Sequence[str],
+                repeats: int = 3) -> dict[str, tuple[float, float]]:
     """``{setting: (sender seconds, receiver seconds)}`` of one message of ``specs`` under each codec setting,
     timed here on random values (the fastest of ``repeats``): the sender encodes and decodes (the error-feedback
     variants update their buffer with what the receiver will decode), the receiver decodes. "uncompressed" costs 0."""
@@ -879,9 +880,8 @@ def agree(
     payload: list[Any] = [None]
     if dist.get_rank() == src:
         try:
-            if choose_kwargs.get("schedule") or choose_kwargs.get("schedules"):
-                choose_kwargs["codec_s"] = times
-            choices = choose_pipeline(all_measures, [compute[s] for s in range(num_stages)], shapes, **choose_kwargs)
+            choices = choose_pipeline(all_measures, [compute[s] for s in range(num_stages)], shapes, codec_s=times,
+                                      **choose_kwargs)
             payload = [("ok", [c.to_wire() for c in choices.values()])]
         except (ValueError, TypeError) as err:  # every rank raises it, instead of waiting for a broadcast
             payload = [("error", f"{type(err).__name__}: {err}")]

@@ -323,35 +323,40 @@ def step_time(schedule: list[list[Action]], forward_s: list[float], backward_s: 
         raise ValueError(f"{n} stages need {n} forward and backward times and {n - 1} links, got "
                          f"{len(forward_s)}, {len(backward_s)} and {len(links)}")
     clock = [0.0] * n
-    link_free: dict[tuple[str, int], float] = {}
-    arrived: dict[tuple[str, int, int], float] = {}  # (direction, boundary, micro-batch) -> arrival time
+    link_free: dict[tuple[str, int], float] = {}  # (direction, boundary) -> when its link is free again
+    arrived: dict[Message, float] = {}
     pc = [0] * n
     while any(pc[s] < len(schedule[s]) for s in range(n)):
         progressed = False
         for s in range(n):
             while pc[s] < len(schedule[s]):
                 a = schedule[s][pc[s]]
-                fwd = a.kind == "F"
-                need = (("fwd", s - 1, a.microbatch) if s > 0 else None) if fwd else (
-                    ("bwd", s, a.microbatch) if s < n - 1 else None)
-                if need is not None and need not in arrived:
+                received, sent = _incoming(a, s, n), _outgoing(a, s, n)
+                if received is not None and received not in arrived:
                     break
-                work = forward_s[s] if fwd else backward_s[s]
-                if need is not None:
-                    link = links[need[1]]
-                    work += (link.fwd_codec_s if fwd else link.bwd_codec_s)[1]
-                out = (("fwd", s) if s < n - 1 else None) if fwd else (("bwd", s - 1) if s > 0 else None)
-                if out is not None:
-                    link = links[out[1]]
-                    work += (link.fwd_codec_s if fwd else link.bwd_codec_s)[0]
-                clock[s] = max(clock[s], arrived[need] if need is not None else 0.0) + work
-                if out is not None:
-                    link = links[out[1]]
-                    leave = max(clock[s], link_free.get(out, 0.0)) + (link.fwd_s if fwd else link.bwd_s)
-                    link_free[out] = leave
-                    arrived[(out[0], out[1], a.microbatch)] = leave + link.delay_s
+                work = forward_s[s] if a.kind == "F" else backward_s[s]
+                ready = 0.0
+                if received is not None:
+                    ready = arrived[received]
+                    work += _codec_s(links, received)[1]
+                if sent is not None:
+                    sent = Message(*sent)
+                    work += _codec_s(links, sent)[0]
+                clock[s] = max(clock[s], ready) + work
+                if sent is not None:
+                    link, lane = links[min(sent.src, sent.dst)], (sent.direction, min(sent.src, sent.dst))
+                    leave = max(clock[s], link_free.get(lane, 0.0)) + (link.fwd_s if sent.direction == "fwd" else
+                                                                       link.bwd_s)
+                    link_free[lane] = leave
+                    arrived[sent] = leave + link.delay_s
                 pc[s] += 1
                 progressed = True
         if not progressed:
             raise RuntimeError("deadlock: the schedule cannot be timed")
     return max(clock)
+
+
+def _codec_s(links: list[Link], m: Message) -> tuple[float, float]:
+    """(sender, receiver) codec seconds of message ``m`` on its boundary's link."""
+    link = links[min(m.src, m.dst)]
+    return link.fwd_codec_s if m.direction == "fwd" else link.bwd_codec_s

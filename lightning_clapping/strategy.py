@@ -114,8 +114,8 @@ class ClappingStrategy(ParallelStrategy):
             direction, with timed probe messages between neighbours), the stages' compute time and the codecs' work
             on the real messages, and give every boundary and direction the least lossy setting, from uncompressed
             up to the codec given above, that keeps the step the timing model predicts for the schedule (compute,
-            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune`). Rank 0 decides, every rank follows;
-            the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
+            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune`). Rank 0 decides,
+            every rank follows; the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
             Needs a compressed ``variant``.
         compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
         warm_start: send the first message of each slot (and after a shape change) in full precision.
