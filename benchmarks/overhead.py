@@ -104,11 +104,11 @@ def run_torch_pipelining(rank, world, cfg, data):
 
 
 def run_bare_executor(rank, world, cfg, data):
-    from lightning_clapping.executor import PipelineExecutor
-    from lightning_clapping.feedback import MessageRule, StepContext
-    from lightning_clapping.microbatch import split_batch
-    from lightning_clapping.partition import build_partition
-    from lightning_clapping.stage import StageRunner
+    from lightning_clapping.pipeline.executor import PipelineExecutor
+    from lightning_clapping.codecs.feedback import MessageRule, StepContext
+    from lightning_clapping.pipeline.microbatch import split_batch
+    from lightning_clapping.pipeline.partition import build_partition
+    from lightning_clapping.pipeline.stage import StageRunner
 
     model = make_model(cfg)
     splits = [f"blocks.{i}" for i in range(1, world)]

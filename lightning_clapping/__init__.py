@@ -5,10 +5,10 @@
 
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
-from lightning_clapping.feedback import VARIANTS
-from lightning_clapping.materialize import MaterializeError, materialize_module
-from lightning_clapping.partition import Partition, PartitionError, build_partition
-from lightning_clapping.stage import SplitError
+from lightning_clapping.codecs.feedback import VARIANTS
+from lightning_clapping.pipeline.materialize import MaterializeError, materialize_module
+from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
+from lightning_clapping.pipeline.stage import SplitError
 from lightning_clapping.strategy import ClappingStrategy
 
 from lightning_clapping import _namespaces

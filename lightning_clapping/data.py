@@ -39,8 +39,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_clapping import _compat
-from lightning_clapping._lazy_epoch import INFO_WINDOW, Epoch
-from lightning_clapping._lazy_sampler import BatchInfo, LazySampler
+from lightning_clapping.lazy.epoch import INFO_WINDOW, Epoch
+from lightning_clapping.lazy.sampler import BatchInfo, LazySampler
 
 __all__ = ["BatchInfo", "LazySamplingDataModule", "LazySamplingLoader", "find_lazy_loader"]
 

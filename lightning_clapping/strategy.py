@@ -1,10 +1,10 @@
 """``ClappingStrategy``: the Lightning side of the pipeline.
 
-One process per stage of each data-parallel replica of the pipeline (:mod:`lightning_clapping.replicas`). Every
+One process per stage of each data-parallel replica of the pipeline (:mod:`lightning_clapping.comm.replicas`). Every
 process runs the user's script and keeps only its own stage's tensors: a model built
 eagerly is cut after it was built (the other stages move to the meta device); one built in ``configure_model()`` or
 under ``trainer.init_module(empty_init=True)`` is built on the meta device and each rank materializes only its
-stage (:mod:`lightning_clapping.materialize`). Each training step splits the batch into
+stage (:mod:`lightning_clapping.pipeline.materialize`). Each training step splits the batch into
 micro-batches, runs the schedule (forwards and backwards of all micro-batches, messages between neighbours), and
 hands Lightning a finished set of gradients: Lightning's own ``zero_grad`` and ``backward`` are turned into no-ops
 that still fire the user's hooks, and the optimizer step, schedulers, gradient clipping (by the norm of the *whole*
@@ -41,21 +41,25 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 
 from lightning_clapping import _compat
-from lightning_clapping import checkpoint as ckpt
-from lightning_clapping import autotune, checkpointing, failures, liveness, precision
+from lightning_clapping.checkpoint import state as ckpt
+from lightning_clapping import precision
+from lightning_clapping.autotune import tune as autotune
+from lightning_clapping.pipeline import recompute as checkpointing
+from lightning_clapping.comm import failures
+from lightning_clapping.comm import liveness
 from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.data import find_lazy_loader
-from lightning_clapping.executor import PipelineExecutor, StepStats
-from lightning_clapping.feedback import MessageRule, StepContext, check_variant
+from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
+from lightning_clapping.codecs.feedback import MessageRule, StepContext, check_variant
 from lightning_clapping.log_relay import LogRelay
-from lightning_clapping.materialize import materialize
-from lightning_clapping.microbatch import merge_outputs, split_batch
-from lightning_clapping.partition import Partition, build_partition, count_stage_bytes
-from lightning_clapping.replicas import GradientAverager, Topology, build_mesh
-from lightning_clapping.schedule import SCHEDULES, get_schedule
-from lightning_clapping.stage import StageRunner
-from lightning_clapping.step_results import ByteStats, pack_results, unpack_results
+from lightning_clapping.pipeline.materialize import materialize
+from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
+from lightning_clapping.pipeline.partition import Partition, build_partition, count_stage_bytes
+from lightning_clapping.comm.replicas import GradientAverager, Topology, build_mesh
+from lightning_clapping.pipeline.schedule import SCHEDULES, get_schedule
+from lightning_clapping.pipeline.stage import StageRunner
+from lightning_clapping.comm.step_results import ByteStats, pack_results, unpack_results
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +98,12 @@ class ClappingStrategy(ParallelStrategy):
             the others hanging forever).
         liveness: how long a stage may send no heartbeat before the others declare it hung (stopped, swapping,
             deadlocked holding the GIL), kill it (same host) or drop their connections to it, and end the run with
-            its name in rank 0's error (see :mod:`lightning_clapping.liveness`); ``None`` turns the watchdog off.
+            its name in rank 0's error (see :mod:`lightning_clapping.comm.liveness`); ``None`` turns the watchdog off.
             It does not cover a main thread stuck while its process runs: ``timeout`` bounds that.
         prepost_receives: post each step's receives before they are needed (default: on for gloo, off for NCCL,
             whose point-to-point calls ignore message tags).
         variant: how messages are compressed: ``"uncompressed"`` (default), ``"direct"``, ``"ef21"``, ``"aqsgd"``,
-            ``"clapping-fc"`` or ``"clapping-fu"`` (see :mod:`lightning_clapping.feedback`). The Clapping variants
+            ``"clapping-fc"`` or ``"clapping-fu"`` (see :mod:`lightning_clapping.codecs.feedback`). The Clapping variants
             are meant to run with :class:`~lightning_clapping.LazySamplingDataModule`.
         forward_codec, backward_codec: a :class:`~lightning_clapping.codecs.Codec` or a registry string
             (``"q4"``, ``"q8"``, ``"topk:0.1"``, ``"bf16"``, ...) for activations and gradients; ignored when
@@ -114,7 +118,7 @@ class ClappingStrategy(ParallelStrategy):
             direction, with timed probe messages between neighbours), the stages' compute time and the codecs' work
             on the real messages, and give every boundary and direction the least lossy setting, from uncompressed
             up to the codec given above, that keeps the step the timing model predicts for the schedule (compute,
-            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune`). Rank 0 decides,
+            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune.tune`). Rank 0 decides,
             every rank follows; the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
             Needs a compressed ``variant``.
         compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
@@ -138,7 +142,7 @@ class ClappingStrategy(ParallelStrategy):
             file of it).
         start_method: only ``"popen"``; spawn and fork are refused with the reason.
         activation_checkpointing: recompute activations in backward instead of keeping them, per stage: ``True`` for
-            the model's blocks, or a set of module classes (see :mod:`lightning_clapping.checkpointing`); the
+            the model's blocks, or a set of module classes (see :mod:`lightning_clapping.pipeline.recompute`); the
             recompute sees the same dropout masks. ``None`` (default): off.
     """
 

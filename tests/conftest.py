@@ -105,7 +105,7 @@ def channel_holding(msg, **kw):
 
     import torch
 
-    from lightning_clapping.channel import PeerChannel
+    from lightning_clapping.comm.channel import PeerChannel
 
     chan = PeerChannel(1, purpose=2, device=torch.device("cpu"), queue=RecordingQueue(), **kw)
     chan._op = lambda send, tensor, tag: SimpleNamespace(send=send, tensor=tensor, tag=tag)

@@ -14,10 +14,10 @@ from _models import TinyGPT
 from _models import Block as GPTBlock
 from conftest import launch
 from lightning_clapping import ClappingStrategy
-from lightning_clapping.checkpointing import check_policy, targets
-from lightning_clapping.executor import PipelineExecutor
-from lightning_clapping.partition import build_partition
-from lightning_clapping.stage import StageRunner
+from lightning_clapping.pipeline.recompute import check_policy, targets
+from lightning_clapping.pipeline.executor import PipelineExecutor
+from lightning_clapping.pipeline.partition import build_partition
+from lightning_clapping.pipeline.stage import StageRunner
 
 
 class DropBlock(nn.Module):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.autotune import (
+from lightning_clapping.autotune.tune import (
     DEFAULT_CANDIDATES,
     UNCOMPRESSED,
     Choice,
@@ -37,9 +37,9 @@ from lightning_clapping.autotune import (
     probe_plan,
 )
 from conftest import run_gloo_ranks
-from lightning_clapping.channel import message_nbytes
+from lightning_clapping.comm.channel import message_nbytes
 from lightning_clapping.codecs import get_codec
-from lightning_clapping.feedback import MessageRule
+from lightning_clapping.codecs.feedback import MessageRule
 
 ROOT = Path(__file__).resolve().parent.parent
 MBIT = 1e6 / 8  # bytes per second of one Mbit/s

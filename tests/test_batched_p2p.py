@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import run_gloo_ranks
-from lightning_clapping.channel import Part, PeerChannel, exchange, from_raw_bytes, pack, raw_bytes, unpack
-from lightning_clapping.p2p import P2PQueue
+from lightning_clapping.comm.channel import Part, PeerChannel, exchange, from_raw_bytes, pack, raw_bytes, unpack
+from lightning_clapping.comm.p2p import P2PQueue
 
 TIMEOUT = timedelta(seconds=10)  # a deadlock ends as a timeout in the worker, reported as an error
 CPU = torch.device("cpu")
@@ -64,10 +64,10 @@ def _batches(rank: int, schedule: str, prepost: bool) -> dict:
     Records every batch_isend_irecv call of the second step as (sends, receives, bytes sent), and compares the
     stage's gradients with the one-process model's.
     """
-    from lightning_clapping.executor import PipelineExecutor
-    from lightning_clapping.feedback import MessageRule
-    from lightning_clapping.partition import build_partition
-    from lightning_clapping.stage import StageRunner
+    from lightning_clapping.pipeline.executor import PipelineExecutor
+    from lightning_clapping.codecs.feedback import MessageRule
+    from lightning_clapping.pipeline.partition import build_partition
+    from lightning_clapping.pipeline.stage import StageRunner
 
     torch.manual_seed(0)
     net, reference = Net(), Net()
@@ -167,7 +167,7 @@ def test_every_byte_the_executor_counts_goes_through_batch_isend_irecv(ranks, ke
 def test_receives_posted_ahead_are_refused_where_nccl_matches_messages_by_order(monkeypatch):
     from types import SimpleNamespace
 
-    from lightning_clapping.executor import PipelineExecutor
+    from lightning_clapping.pipeline.executor import PipelineExecutor
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")

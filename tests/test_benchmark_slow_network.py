@@ -689,7 +689,7 @@ def test_loopback_only_runs_every_variant_on_loopback_and_no_shaped_link():
 
 def test_what_autotune_chose_is_recorded_per_boundary_and_direction():
     import slow_network
-    from lightning_clapping.autotune import Choice
+    from lightning_clapping.autotune.tune import Choice
 
     def choice(boundary, fwd, bwd):
         return Choice(boundary, "clapping-fc", fwd, bwd, 0, 0, 0.0, 0.0, 0.0, 0.0, True, True)

@@ -13,8 +13,8 @@ from torch import nn
 import lightning_clapping
 from conftest import ROOT, launch
 from examples.big_model import WideMLP
-from lightning_clapping.checkpoint import check_model_keys
-from lightning_clapping.materialize import MaterializeError, materialize, materialize_module
+from lightning_clapping.checkpoint.state import check_model_keys
+from lightning_clapping.pipeline.materialize import MaterializeError, materialize, materialize_module
 
 SMALL = {"BIG_WIDTH": "1024", "BIG_LAYERS": "4"}  # the checkpoint runs: 4 blocks + head, one block per stage
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import channel_holding, run_gloo_ranks
-from lightning_clapping.channel import (
+from lightning_clapping.comm.channel import (
     HEADER_BYTES,
     KIND_RESIZE,
     Part,
@@ -233,8 +233,8 @@ def test_a_sender_refuses_a_message_over_the_cap_before_sending_anything():
 def test_the_executor_names_boundary_direction_and_micro_batch_of_a_malformed_message():
     from types import SimpleNamespace
 
-    from lightning_clapping.executor import PipelineExecutor
-    from lightning_clapping.feedback import MessageRule, StepContext
+    from lightning_clapping.pipeline.executor import PipelineExecutor
+    from lightning_clapping.codecs.feedback import MessageRule, StepContext
 
     class FakeChannel:
         peer = 2

@@ -111,7 +111,7 @@ def test_split_points_that_leave_a_stage_without_parameters_are_warned_about():
     from _models import SequentialMLP
 
     import lightning_clapping
-    from lightning_clapping.partition import build_partition
+    from lightning_clapping.pipeline.partition import build_partition
 
     strategy = lightning_clapping.ClappingStrategy(split_points=["net.1", "net.2"])
     strategy.parallel_devices = [torch.device("cpu")] * 3
@@ -130,7 +130,7 @@ def test_feedback_buffers_from_other_cut_points_restart_empty_with_a_warning():
     from _models import SequentialMLP
 
     import lightning_clapping
-    from lightning_clapping.partition import build_partition
+    from lightning_clapping.pipeline.partition import build_partition
 
     loaded = []
     rule = SimpleNamespace(load_state=lambda state, device: loaded.append(state))

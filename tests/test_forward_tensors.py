@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from conftest import launch
-from lightning_clapping import stage as stage_mod
-from lightning_clapping.partition import build_partition
-from lightning_clapping.stage import SplitError, StageRunner
+from lightning_clapping.pipeline import stage as stage_mod
+from lightning_clapping.pipeline.partition import build_partition
+from lightning_clapping.pipeline.stage import SplitError, StageRunner
 
 B, T, C = 2, 5, 8
 

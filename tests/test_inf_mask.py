@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from conftest import launch
-from lightning_clapping.stage import SplitError, check_finite
+from lightning_clapping.pipeline.stage import SplitError, check_finite
 
 
 def test_check_finite_lets_infinities_pass():

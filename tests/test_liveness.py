@@ -26,9 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_clapping import failures
+from lightning_clapping.comm import failures
 from lightning_clapping._compat import default_store
-from lightning_clapping.liveness import Watchdog, failure_key
+from lightning_clapping.comm.liveness import Watchdog, failure_key
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork, SIGSTOP and /proc")
 

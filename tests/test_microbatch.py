@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_clapping.microbatch import merge_outputs, split_batch
+from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
 
 
 def test_split_is_ordered_and_covers_the_batch_once():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_clapping.partition import PartitionError, balance, block_candidates, build_partition
+from lightning_clapping.pipeline.partition import PartitionError, balance, block_candidates, build_partition
 from _models import SequentialMLP, TinyGPT
 
 

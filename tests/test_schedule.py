@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_clapping.schedule import (
+from lightning_clapping.pipeline.schedule import (
     Action,
     Exchange,
     Link,

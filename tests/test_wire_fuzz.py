@@ -18,7 +18,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from conftest import channel_holding  # noqa: E402
-from lightning_clapping.channel import (  # noqa: E402
+from lightning_clapping.comm.channel import (  # noqa: E402
     DTYPE_CODE,
     HEADER_BYTES,
     KNOWN_FLAGS,
@@ -29,7 +29,7 @@ from lightning_clapping.channel import (  # noqa: E402
     resize_message,
     unpack,
 )
-from lightning_clapping.feedback import CODEC, FULL, RAW, SKIP  # noqa: E402
+from lightning_clapping.codecs.feedback import CODEC, FULL, RAW, SKIP  # noqa: E402
 
 KNOWN = (RAW, CODEC, FULL, SKIP)
 WHERE = "boundary 2, forward, micro-batch 1"

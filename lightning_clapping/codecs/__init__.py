@@ -49,7 +49,7 @@ on the project's CPU, so there is no compiled path.
 The families live in one module each: :mod:`.casts` (identity and casts), :mod:`.quant` (the quantizer) and
 :mod:`.sparse` (top-k, rand-k); :mod:`.base` holds the :class:`Codec` contract and the NaN/inf check, and
 :mod:`.registry` the names. Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see
-its docstring). The bit packing lives in :mod:`lightning_clapping.bitpack` (``pack_bits``, ``unpack_bits`` and
+its docstring). The bit packing lives in :mod:`lightning_clapping.codecs.bitpack` (``pack_bits``, ``unpack_bits`` and
 ``packed_nbytes`` are re-exported here).
 """
 
@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
+from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs.base import Codec, NonFiniteError, check_finite
 from lightning_clapping.codecs.casts import CAST_NAMES, CastCodec, IdentityCodec, cast_factory
 from lightning_clapping.codecs.quant import QuantCodec, quant_factory

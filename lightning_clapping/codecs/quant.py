@@ -9,7 +9,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
+from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs.base import BuiltinCodec, bytes_as, raise_non_finite, require_float, seeded
 
 __all__ = ["QuantCodec", "quant_factory"]
@@ -102,7 +102,7 @@ class QuantCodec(BuiltinCodec):
     times the message's largest one have fewer significant bits (fp16 subnormals), and those below about ``2**-38``
     times it are sent as that smallest step (their values mostly decode to zero); a non-zero scale never becomes
     zero. With float32 scales nothing changes: ``q4`` means what it always meant.
-    Codes are packed by :func:`~lightning_clapping.bitpack.pack_bits`; an empty tensor has an empty payload.
+    Codes are packed by :func:`~lightning_clapping.codecs.bitpack.pack_bits`; an empty tensor has an empty payload.
     Tiny and subnormal scales keep the full grid (codes are then computed in float64); decoded values round to
     float32's subnormal spacing, ``2**-149``.
     """

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
+from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs.base import BuiltinCodec, bytes_as, check_finite, require_float, seeded
 from lightning_clapping.codecs.quant import QuantCodec
 from lightning_clapping.codecs.registry import get_codec

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.autotune import agree, describe, message_bytes, probe_boundaries
+from lightning_clapping.autotune.tune import agree, describe, message_bytes, probe_boundaries
 
 SHAPE = (4, 128, 128)
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_clapping
-from lightning_clapping.partition import count_stage_bytes
+from lightning_clapping.pipeline.partition import count_stage_bytes
 from _models import SPLITS, build
 
 

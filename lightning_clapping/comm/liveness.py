@@ -19,8 +19,8 @@ itself done, the others' watchdogs wind down too (its process, and the store, ma
 
 When a peer is declared hung, the detecting rank
 
-1. writes the reason under ``clapping/failure/{rank of the hung peer}`` (the key :mod:`lightning_clapping.failures`
-   reads): rank 0, which then fails with a lost connection, raises :class:`~lightning_clapping.failures.StageFailure`
+1. writes the reason under ``clapping/failure/{rank of the hung peer}`` (the key :mod:`lightning_clapping.comm.failures`
+   reads): rank 0, which then fails with a lost connection, raises :class:`~lightning_clapping.comm.failures.StageFailure`
    naming the hung stage. The reason also goes to this rank's stderr. The key is only written if absent, so a
    stage's own failure reason is never replaced;
 2. ends the hung process if it runs in the same process space (same boot and PID namespace, and the same host name):
@@ -87,7 +87,7 @@ class _StoreGone(RuntimeError):
 
 
 def failure_key(rank: int) -> str:
-    """Where a rank's failure reason lies in the store (the convention of :mod:`lightning_clapping.failures`)."""
+    """Where a rank's failure reason lies in the store (the convention of :mod:`lightning_clapping.comm.failures`)."""
     return f"clapping/failure/{rank}"
 
 

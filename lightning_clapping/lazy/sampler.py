@@ -2,8 +2,8 @@
 :class:`BatchInfo` (both exported by :mod:`lightning_clapping.data`).
 
 :class:`LazySampler` owns the decision stream, the counters, the current epoch and the checkpoint format; it draws
-from a source of :mod:`lightning_clapping._lazy_source`, and each epoch's bookkeeping is an
-:class:`~lightning_clapping._lazy_epoch.Epoch`. Everything that talks to a Lightning ``Trainer`` lives in the public
+from a source of :mod:`lightning_clapping.lazy.source`, and each epoch's bookkeeping is an
+:class:`~lightning_clapping.lazy.epoch.Epoch`. Everything that talks to a Lightning ``Trainer`` lives in the public
 subclass, behind two hooks: ``_trainer_ready`` and ``_sync_trainer_length``.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Optional
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_clapping._lazy_epoch import Epoch
-from lightning_clapping._lazy_source import make_source
+from lightning_clapping.lazy.epoch import Epoch
+from lightning_clapping.lazy.source import make_source
 
 _STATE_VERSION = 1
 

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_clapping.channel import FLAG_REQUIRES_GRAD, Part, from_raw_bytes, raw_bytes
+from lightning_clapping.comm.channel import FLAG_REQUIRES_GRAD, Part, from_raw_bytes, raw_bytes
 from lightning_clapping.codecs import Codec, NonFiniteError, get_codec
 
 RAW, CODEC, FULL, SKIP = 0, 1, 2, 3

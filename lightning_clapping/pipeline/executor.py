@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_clapping import schedule as schedules
-from lightning_clapping.channel import (
+from lightning_clapping.pipeline import schedule as schedules
+from lightning_clapping.comm.channel import (
     FLAG_REQUIRES_GRAD, Part, PeerChannel, WireError, exchange, message_nbytes, pack, unpack
 )
-from lightning_clapping.feedback import MessageRule, StepContext
-from lightning_clapping.p2p import P2PQueue
-from lightning_clapping.stage import SplitError, StageExit, StageRunner, check_finite
+from lightning_clapping.codecs.feedback import MessageRule, StepContext
+from lightning_clapping.comm.p2p import P2PQueue
+from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
 
 PURPOSE_TRAIN_FWD = 1
 PURPOSE_TRAIN_BWD = 2
@@ -294,7 +294,7 @@ class PipelineExecutor:
 
     def _exchange(self, step: schedules.Exchange, ctx: StepContext, training: bool) -> None:
         """Issue the messages the previous action produced with the receive the next action needs (see
-        :func:`lightning_clapping.channel.exchange`)."""
+        :func:`lightning_clapping.comm.channel.exchange`)."""
         sends = []
         for m in step.sends:
             try:
@@ -334,7 +334,7 @@ class PipelineExecutor:
 
     def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext,
               with_results: bool = False) -> list[tuple[Tensor, int]]:
-        from lightning_clapping.feedback import CODEC, FULL, RAW, SKIP  # the wire forms (codec ids) a rule decodes
+        from lightning_clapping.codecs.feedback import CODEC, FULL, RAW, SKIP  # the wire forms (codec ids) a rule decodes
 
         rule = self.rules[rule_name]
         where = _name_message(rule, rule_name, j, chan.peer)

@@ -4,7 +4,7 @@ Under NCCL a send may wait until the peer has posted the matching receive, messa
 between two ranks (tags are ignored), and a rank's batched operations run one group after another on one stream.
 Two ranks that each send before they receive therefore wait on each other forever, unless the send and the receive
 are issued in the same group: ``batch_isend_irecv`` launches a group's operations together, so they progress
-together. The executor decides which operations form a group (:func:`lightning_clapping.schedule.with_exchanges`);
+together. The executor decides which operations form a group (:func:`lightning_clapping.pipeline.schedule.with_exchanges`);
 this module issues them.
 
 Two modes:

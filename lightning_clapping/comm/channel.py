@@ -18,13 +18,13 @@ the sender sends a *resize* message of the expected size that announces the new 
 group of operations that follows (see :func:`exchange`); the receiver receives the message right after the resize,
 before anything else from that peer.
 
-Every operation is issued through a :class:`~lightning_clapping.p2p.P2PQueue`, i.e. with
+Every operation is issued through a :class:`~lightning_clapping.comm.p2p.P2PQueue`, i.e. with
 ``torch.distributed.batch_isend_irecv``, on every backend. Messages are matched in one of two ways:
 
 * by tag (``prepost=True``, gloo only): each slot has its own tags (one for the resize or the message, one for the
   message after a resize), so receives can be posted for a whole step ahead, in any order;
 * by order (``prepost=False``, NCCL, which ignores tags): everything carries tag 0; both ends make their operations
-  with one peer in the same order (resize, then message), which :mod:`lightning_clapping.schedule` guarantees.
+  with one peer in the same order (resize, then message), which :mod:`lightning_clapping.pipeline.schedule` guarantees.
 
 The receiver trusts nothing it reads: every header field is checked (and every announced size bounded) before it is
 used, and a malformed message raises :class:`WireError` naming the message (e.g. "boundary 1, backward,
@@ -43,7 +43,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.p2p import P2PQueue
+from lightning_clapping.comm.p2p import P2PQueue
 
 MAGIC = b"CL"
 VERSION = 1

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_clapping import checkpointing
+from lightning_clapping.pipeline import recompute as checkpointing
 from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
-from lightning_clapping.partition import Partition, PartitionError
+from lightning_clapping.pipeline.partition import Partition, PartitionError
 
 
 class StageExit(BaseException):
@@ -71,7 +71,7 @@ class StageRunner:
         self._stub_cache: dict[tuple, tuple] = {}
         self._saved_forwards: dict[str, Any] = {}
         self._modules = dict(module.named_modules())
-        #: this stage's checkpointed submodules (see :mod:`lightning_clapping.checkpointing`)
+        #: this stage's checkpointed submodules (see :mod:`lightning_clapping.pipeline.recompute`)
         self.checkpointed = checkpointing.targets(module, partition, stage, activation_checkpointing)
         self._saved_checkpointed: dict[str, Any] = {}
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.executor import StepStats
+from lightning_clapping.pipeline.executor import StepStats
 
 
 def pack_results(loss: float | None, logs: Any, fingerprint: tuple[float, ...] | None) -> bytes:

@@ -43,10 +43,10 @@ sequence):
 
 2. **Choosing** (:func:`choose`, a pure and deterministic function). For each boundary and direction, the message of
    one micro-batch is priced with every candidate setting: its exact size on the wire (the codec's
-   ``payload_nbytes`` plus the message header, :func:`lightning_clapping.channel.message_nbytes`), divided by the
+   ``payload_nbytes`` plus the message header, :func:`lightning_clapping.comm.channel.message_nbytes`), divided by the
    measured bandwidth of that direction. Two rules use these prices.
 
-   **The step rule** (what the strategy uses): the timing model :func:`lightning_clapping.schedule.step_time` plays
+   **The step rule** (what the strategy uses): the timing model :func:`lightning_clapping.pipeline.schedule.step_time` plays
    one training step of the running schedule with every stage's measured compute (a third forward, two thirds
    backward), every boundary's delay, transfers that queue on their link, and the codec work timed on the real
    messages (:func:`codec_times`: the sender encodes and decodes, the receiver decodes). It finds the fastest
@@ -87,7 +87,7 @@ and :func:`ladder` builds one whose last rung is the codec the user configured (
 A :class:`Choice` says, per boundary, the variant (``"uncompressed"`` when both directions stay uncompressed, else
 the compressed variant the user chose) and the setting of each direction, with the numbers that justified it;
 :meth:`Choice.rule` gives the ``(variant, codec)`` pair to build each direction's
-:class:`~lightning_clapping.feedback.MessageRule` with (a direction that stays uncompressed gets the ``"uncompressed"``
+:class:`~lightning_clapping.codecs.feedback.MessageRule` with (a direction that stays uncompressed gets the ``"uncompressed"``
 rule even when the other one is compressed). :func:`describe` makes the log table.
 """
 
@@ -104,10 +104,10 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.channel import message_nbytes
+from lightning_clapping.comm.channel import message_nbytes
 from lightning_clapping.codecs import get_codec
-from lightning_clapping.feedback import VARIANTS
-from lightning_clapping.schedule import Link, get_schedule, step_time
+from lightning_clapping.codecs.feedback import VARIANTS
+from lightning_clapping.pipeline.schedule import Link, get_schedule, step_time
 
 __all__ = [
     "DEFAULT_CANDIDATES", "DEFAULT_HEADROOM", "DEFAULT_TOLERANCE", "PROBE_TAG", "UNCOMPRESSED", "Choice",
@@ -604,14 +604,14 @@ def choose(
         candidates: ``{"fwd": [...], "bwd": [...]}``, settings ordered from least to most lossy (default
             :data:`DEFAULT_CANDIDATES`; see :func:`ladder`).
         variant: the compressed variant to use where a boundary compresses (any of
-            :data:`lightning_clapping.feedback.VARIANTS` but "uncompressed").
+            :data:`lightning_clapping.codecs.feedback.VARIANTS` but "uncompressed").
         headroom: with the per-message rule, a setting hides when its transfer takes at most ``headroom`` x the
             cycle (the ``hides`` flags report this test under both rules).
         full_fraction: share of the messages a compressed variant still sends in full precision (a number for both
             directions or ``{"fwd": x, "bwd": y}``): ``p`` for clapping-fu (its fresh steps), 0 for direct, ef21 and
             clapping-fc. A compressed setting is priced at ``f x uncompressed + (1 - f) x compressed``.
         schedule, num_microbatches: the step rule (see the module docstring): price whole steps of this schedule
-            (a name of :data:`lightning_clapping.schedule.SCHEDULES`) with the timing model, one stage per entry of
+            (a name of :data:`lightning_clapping.pipeline.schedule.SCHEDULES`) with the timing model, one stage per entry of
             ``compute_s_per_microbatch`` (a third of it forward, two thirds backward). None: the per-message rule.
         codec_s: ``{boundary: {direction: {setting: (sender_s, receiver_s)}}}``, the codec work of one message on
             each end (measured, see :func:`codec_times`); missing entries count as 0. Step rule only.
@@ -671,7 +671,7 @@ def _step_model(measures: Mapping[int, LinkMeasure], stages: list[float],
                 priced: Mapping[tuple[int, str], list[Priced]], schedule: str, num_microbatches: int | None,
                 codec_s: CodecTimes) -> Callable[[dict], float]:
     """``predict(pick)``: the step time of ``schedule`` with the candidates ``pick`` ({(boundary, direction): index}),
-    by :func:`lightning_clapping.schedule.step_time`."""
+    by :func:`lightning_clapping.pipeline.schedule.step_time`."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"the step rule needs num_microbatches >= 1, got {num_microbatches!r}")
     boundaries = sorted({b for b, _ in priced})

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_clapping._compat import tree_flatten, tree_unflatten
-from lightning_clapping.partition import Partition, block_candidates
+from lightning_clapping.pipeline.partition import Partition, block_candidates
 
 Policy = bool | frozenset  # True: the model's blocks; a frozenset of nn.Module subclasses
 
