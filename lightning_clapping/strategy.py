@@ -56,7 +56,8 @@ from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.pipeline.materialize import materialize
 from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
 from lightning_clapping.pipeline.partition import Partition, build_partition, count_stage_bytes
-from lightning_clapping.comm.replicas import GradientAverager, Topology, build_mesh
+from lightning_clapping.comm.placement import Placement, Topology, build_mesh
+from lightning_clapping.comm.replicas import GradientAverager
 from lightning_clapping.pipeline.schedule import SCHEDULES, get_schedule
 from lightning_clapping.pipeline.stage import StageRunner
 from lightning_clapping.comm.step_results import ByteStats, pack_results, unpack_results

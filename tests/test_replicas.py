@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_clapping import ClappingStrategy, LazySamplingDataModule
-from lightning_clapping.comm.replicas import GradientAverager, Topology, _buckets
+from lightning_clapping.comm.placement import Topology
+from lightning_clapping.comm.replicas import GradientAverager, _buckets
 from conftest import launch, run_gloo_ranks
 
 DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest,sh_first,sh_rest"
