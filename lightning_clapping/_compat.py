@@ -3,23 +3,14 @@
 Lightning's strategy API needs a few private pieces (the script launcher, the process-group bootstrap, the
 optimizer-to-device helper) and torch's pytree utilities are private too. Keeping them here means a Lightning or
 torch upgrade that moves one of them breaks exactly one file. The tested range is pinned in ``pyproject.toml``.
+
+The engine's sub-packages (pipeline, comm, codecs, checkpoint, autotune, lazy) import only torch's names from here;
+Lightning's private names are imported on first use (module ``__getattr__``), so importing this module imports no
+Lightning and the engine stays free of it (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
 
-from lightning.fabric.utilities.distributed import (  # noqa: F401
-    _all_gather_ddp_if_available as all_gather_if_available,
-    _distributed_is_initialized as distributed_is_initialized,
-    _get_default_process_group_backend_for_device as default_backend_for_device,
-    _init_dist_connection as init_dist_connection,
-    _sync_ddp_if_available as sync_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
-from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers  # noqa: F401
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,
-)
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import (  # noqa: F401
     _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
@@ -27,6 +18,35 @@ from torch.distributed.checkpoint.default_planner import (  # noqa: F401
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401 - stage.py: shapes of skipped modules
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
+
+
+#: Lightning's private names, imported on first use (see :func:`__getattr__`)
+LIGHTNING_NAMES = (
+    "all_gather_if_available", "distributed_is_initialized", "default_backend_for_device", "init_dist_connection",
+    "sync_if_available", "optimizers_to_device", "reset_seed", "SubprocessScriptLauncher",
+)
+
+
+def __getattr__(name: str):
+    """Lightning's private names, imported when first asked for (never by the Lightning-free engine)."""
+    if name not in LIGHTNING_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from lightning.fabric.utilities.distributed import (
+        _all_gather_ddp_if_available as all_gather_if_available,
+        _distributed_is_initialized as distributed_is_initialized,
+        _get_default_process_group_backend_for_device as default_backend_for_device,
+        _init_dist_connection as init_dist_connection,
+        _sync_ddp_if_available as sync_if_available,
+    )
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as SubprocessScriptLauncher,
+    )
+
+    found = locals()
+    globals().update({n: found[n] for n in LIGHTNING_NAMES})
+    return found[name]
 
 
 def tree_map_tensors(fn, tree):
