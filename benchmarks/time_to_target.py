@@ -55,7 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_NETWORK = ROOT / "benchmarks" / "slow_network.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slow_network import Mode, _fmt, fp32_message_bytes, parse_link  # noqa: E402
+from _slow_network_report import _fmt  # noqa: E402
+from _slow_network_settings import Mode, fp32_message_bytes, parse_link  # noqa: E402
 
 DEFAULT_LINKS = ["10@25", "25@25", "50@25", "100@25", "200@25"]
 UNCOMPRESSED = "uncompressed"

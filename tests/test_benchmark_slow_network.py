@@ -88,9 +88,9 @@ def tiny_delayed_run(tmp_path_factory):
 
 
 def _has_autotune() -> bool:
-    import slow_network
+    import _slow_network_settings as settings
 
-    return slow_network.strategy_accepts("autotune")
+    return settings.strategy_accepts("autotune")
 
 
 def test_tiny_mode_runs_every_setting_and_writes_its_results(tiny_run):
@@ -186,7 +186,7 @@ def _row(link, variant, kind, step_s, val_losses, rate=None):
 
 
 def test_every_clapping_fc_codec_pair_is_judged_against_the_targets():
-    import slow_network
+    import _slow_network_report as report
 
     rows = [_row("loopback", "uncompressed", "uncompressed", 0.2, [3.0, 2.0]),
             _row("100 Mbit/s", "uncompressed", "uncompressed", 0.6, [3.0, 2.0], 100.0),
@@ -194,8 +194,8 @@ def test_every_clapping_fc_codec_pair_is_judged_against_the_targets():
             _row("100 Mbit/s", "clapping-fc p=0.5 q4/q4", "clapping-fc", 0.22, [3.0, 2.0], 100.0),
             _row("25 Mbit/s", "uncompressed", "uncompressed", 2.0, [3.0, 2.0], 25.0),
             _row("25 Mbit/s", "clapping-fc p=0.5 q4/q4", "clapping-fc", 0.4, [2.5, 1.9], 25.0)]
-    slow_network.add_comparisons(rows)
-    verdicts = {t["target"]: (t["verdict"], t["value"]) for t in slow_network.evaluate_targets(rows)}
+    report.add_comparisons(rows)
+    verdicts = {t["target"]: (t["verdict"], t["value"]) for t in report.evaluate_targets(rows)}
     # the first clapping-fc row of a link is the main one; q4/q8 never reached 2.0 in its runs
     assert verdicts["100 Mbit/s: clapping-fc time-to-target >= 2x shorter than uncompressed"][0].startswith("NOT MET")
     verdict, value = verdicts["100 Mbit/s: clapping-fc p=0.5 q4/q4 step time <= 1.15x loopback step time"]
@@ -208,16 +208,16 @@ def test_every_clapping_fc_codec_pair_is_judged_against_the_targets():
 
 
 def test_a_malformed_codec_pair_is_refused_with_the_expected_form():
-    import slow_network
+    import _slow_network_settings as settings
 
     import argparse
 
     args = argparse.Namespace(forward_codec="q4", backward_codec="q8", p=0.5, fu_p=[0.5], tiny=False, fc_extra=["q4"],
                               no_direct=True, no_aqsgd=True, no_auto=True)
     with pytest.raises(SystemExit, match="FORWARD/BACKWARD"):
-        slow_network.make_variants(args)
+        settings.make_variants(args)
     args.fc_extra = ["q4/q4"]
-    labels = [v.label for v in slow_network.make_variants(args)]
+    labels = [v.label for v in settings.make_variants(args)]
     assert labels == ["uncompressed", "clapping-fc p=0.5", "clapping-fc p=0.5 q4/q4", "clapping-fu p=0.5"]
 
 
@@ -228,9 +228,9 @@ def _variant_args(**kw):
 
 
 def test_the_baselines_run_with_clappings_codecs_and_no_lazy_sampling_and_each_can_be_left_out():
-    import slow_network
+    import _slow_network_settings as settings
 
-    variants = {v.label: v for v in slow_network.make_variants(_variant_args())}
+    variants = {v.label: v for v in settings.make_variants(_variant_args())}
     direct, aq = variants["direct"], variants["aqsgd"]
     assert (direct.variant, direct.p, direct.forward_codec, direct.backward_codec) == ("direct", 1.0, "q4", "q8")
     assert (aq.variant, aq.p, aq.forward_codec, aq.backward_codec) == ("aqsgd", 1.0, "q4", "q8")
@@ -238,42 +238,42 @@ def test_the_baselines_run_with_clappings_codecs_and_no_lazy_sampling_and_each_c
     assert aq.sample_ids and not direct.sample_ids and not variants["uncompressed"].sample_ids
     assert list(variants)[:4] == ["uncompressed", "direct", "aqsgd", "clapping-fc p=0.5"]
     assert not any(v.autotune for label, v in variants.items() if label != "auto p=0.5")
-    left = [v.label for v in slow_network.make_variants(_variant_args(no_direct=True, no_aqsgd=True, no_auto=True))]
+    left = [v.label for v in settings.make_variants(_variant_args(no_direct=True, no_aqsgd=True, no_auto=True))]
     assert left == ["uncompressed", "clapping-fc p=0.5", "clapping-fc p=0.5 q4/q4", "clapping-fu p=0.5",
                     "clapping-fu p=0.2"]
-    tiny = [v.label for v in slow_network.make_variants(_variant_args(tiny=True, no_auto=True))]
+    tiny = [v.label for v in settings.make_variants(_variant_args(tiny=True, no_auto=True))]
     assert tiny == ["uncompressed", "direct", "aqsgd", "clapping-fc p=0.5"]
     # loopback: uncompressed and the main clapping-fc only, whatever comes first in the list
-    loop = slow_network.loopback_variants(slow_network.make_variants(_variant_args()), _variant_args())
+    loop = settings.loopback_variants(settings.make_variants(_variant_args()), _variant_args())
     assert [v.label for v in loop] == ["uncompressed", "clapping-fc p=0.5"]
-    assert [v.label for v in slow_network.loopback_variants(slow_network.make_variants(_variant_args()),
+    assert [v.label for v in settings.loopback_variants(settings.make_variants(_variant_args()),
                                                             _variant_args(no_loopback_fc=True))] == ["uncompressed"]
 
 
 def test_the_auto_row_follows_the_strategys_autotune_parameter(monkeypatch):
-    import slow_network
+    import _slow_network_settings as settings
 
-    monkeypatch.setattr(slow_network, "strategy_accepts", lambda name: name == "autotune")
-    variants = slow_network.make_variants(_variant_args())
+    monkeypatch.setattr(settings, "strategy_accepts", lambda name: name == "autotune")
+    variants = settings.make_variants(_variant_args())
     auto = variants[-1]
     assert (auto.label, auto.variant, auto.p, auto.autotune) == ("auto p=0.5", "clapping-fc", 0.5, True)
-    assert auto.label not in [v.label for v in slow_network.loopback_variants(variants, _variant_args())]
-    assert not any(v.autotune for v in slow_network.make_variants(_variant_args(no_auto=True)))
+    assert auto.label not in [v.label for v in settings.loopback_variants(variants, _variant_args())]
+    assert not any(v.autotune for v in settings.make_variants(_variant_args(no_auto=True)))
     assert auto.schedule is None  # the run's --schedule
-    both = slow_network.make_variants(_variant_args(auto_schedule=True))
+    both = settings.make_variants(_variant_args(auto_schedule=True))
     assert [(v.label, v.schedule) for v in both if v.autotune] == [("auto p=0.5", None),
                                                                    ("auto p=0.5 schedule=auto", "auto")]
-    frontier = {v.label: v for v in slow_network.make_variants(_variant_args(frontier=True))}
+    frontier = {v.label: v for v in settings.make_variants(_variant_args(frontier=True))}
     best = frontier["clapping-fu p=0.5 randk fresh-q4"]  # the quality benchmark's best frontier configuration
     assert (best.variant, best.p, best.forward_codec, best.backward_codec, best.fresh_codec) == (
         "clapping-fu", 0.5, "randk:0.1+q4", "randk:0.1+q4", "q4:fp16")
     assert best.label not in {v.label for v in variants}  # only with --frontier
-    monkeypatch.setattr(slow_network, "strategy_accepts", lambda name: False)
-    assert not any(v.autotune for v in slow_network.make_variants(_variant_args()))
+    monkeypatch.setattr(settings, "strategy_accepts", lambda name: False)
+    assert not any(v.autotune for v in settings.make_variants(_variant_args()))
 
 
 def test_byte_numbers_logged_a_step_late_are_put_back_on_their_own_step():
-    import slow_network
+    import _slow_network_worker as worker
 
     # as the recorder reads trainer.callback_metrics at the end of each step: the strategy's values of step t - 1
     recorded = [{"step": 1, "seconds": 0.5, "tx": 10, "train_loss": 3.0},
@@ -281,8 +281,8 @@ def test_byte_numbers_logged_a_step_late_are_put_back_on_their_own_step():
                  "clapping/b0_fwd_bytes": 500.0},
                 {"step": 3, "seconds": 0.3, "tx": 12, "train_loss": 2.8, "clapping/bytes": 200.0,
                  "clapping/b0_fwd_bytes": 100.0}]
-    assert slow_network.metrics_lag(recorded) == 1
-    aligned = slow_network.align_step_metrics(recorded, 1)
+    assert worker.metrics_lag(recorded) == 1
+    aligned = worker.align_step_metrics(recorded, 1)
     assert [s.get("clapping/bytes") for s in aligned] == [900.0, 200.0, None]
     assert [s.get("clapping/b0_fwd_bytes") for s in aligned] == [500.0, 100.0, None]
     # what is the step's own stays where it is
@@ -290,17 +290,17 @@ def test_byte_numbers_logged_a_step_late_are_put_back_on_their_own_step():
         (s["step"], s["seconds"], s["tx"], s["train_loss"]) for s in recorded]
     # a strategy that logs every step's own numbers: nothing moves
     same_step = [dict(s, **{"clapping/bytes": 1.0}) for s in recorded]
-    assert slow_network.metrics_lag(same_step) == 0
-    assert slow_network.align_step_metrics(same_step, 0) == same_step
-    assert slow_network.metrics_lag([]) == 0 and slow_network.metrics_lag(recorded[:1]) == 0
+    assert worker.metrics_lag(same_step) == 0
+    assert worker.align_step_metrics(same_step, 0) == same_step
+    assert worker.metrics_lag([]) == 0 and worker.metrics_lag(recorded[:1]) == 0
 
 
 def test_results_of_quick_or_delayed_runs_do_not_overwrite_the_full_runs_files():
-    import slow_network
+    import _slow_network_settings as settings
 
     def stem(mode_name, links, given=None):
-        mode = slow_network.Mode(mode_name, links=[slow_network.parse_link(x) for x in links])
-        return slow_network.output_stem(mode, argparse.Namespace(stem=given))
+        mode = settings.Mode(mode_name, links=[settings.parse_link(x) for x in links])
+        return settings.output_stem(mode, argparse.Namespace(stem=given))
 
     assert stem("full", ["100", "25"]) == "slow_network"
     assert stem("quick", ["100", "25"]) == "slow_network_quick"
@@ -313,32 +313,32 @@ def test_results_of_quick_or_delayed_runs_do_not_overwrite_the_full_runs_files()
 
 
 def test_links_parse_with_and_without_a_delay():
-    import slow_network
+    import _slow_network_settings as settings
 
-    link = slow_network.parse_link
-    assert link("100") == slow_network.LinkSpec(100.0, None)
-    assert link("100@25") == link("100@25ms") == slow_network.LinkSpec(100.0, 25.0)
+    link = settings.parse_link
+    assert link("100") == settings.LinkSpec(100.0, None)
+    assert link("100@25") == link("100@25ms") == settings.LinkSpec(100.0, 25.0)
     assert link("25@0").delay_ms == 0.0 and link("25@0").kind == "tun+relay" and link("25").kind == "veth+tbf"
     assert (link("100").label, link("100@25").label) == ("100 Mbit/s", "100 Mbit/s 25 ms")
     for bad in ("fast", "100@", "100@-5", "0@10"):
         with pytest.raises(argparse.ArgumentTypeError):
             link(bad)
-    assert slow_network._ms("100ms") == 100.0 and slow_network._ms("0.1s") == 100.0
+    assert settings._ms("100ms") == 100.0 and settings._ms("0.1s") == 100.0
 
 
 def test_delay_ms_applies_to_every_link_given_without_its_own():
-    import slow_network
+    import _slow_network_settings as settings
 
     ns = argparse.Namespace(tiny=False, quick=True, steps=None, val_every=None, val_batches=None, skip=None, seed=None,
-                            links=[slow_network.parse_link("100"), slow_network.parse_link("25@5")], delay_ms=25.0)
-    mode = slow_network.make_mode(ns)
+                            links=[settings.parse_link("100"), settings.parse_link("25@5")], delay_ms=25.0)
+    mode = settings.make_mode(ns)
     assert [(x.rate_mbit, x.delay_ms) for x in mode.links] == [(100.0, 25.0), (25.0, 5.0)]
     ns.delay_ms, ns.links = None, None
-    assert [(x.rate_mbit, x.delay_ms) for x in slow_network.make_mode(ns).links] == [(100.0, None), (25.0, None)]
+    assert [(x.rate_mbit, x.delay_ms) for x in settings.make_mode(ns).links] == [(100.0, None), (25.0, None)]
 
 
 def test_every_delayed_link_is_judged_on_its_own():
-    import slow_network
+    import _slow_network_report as report
 
     rows = [_row("loopback", "uncompressed", "uncompressed", 0.2, [3.0, 2.0]),
             _row("100 Mbit/s 0 ms", "uncompressed", "uncompressed", 0.6, [3.0, 2.0], 100.0),
@@ -348,8 +348,8 @@ def test_every_delayed_link_is_judged_on_its_own():
     for r in rows:
         r["delay_ms"] = None if r["rate_mbit"] is None else float(r["link"].split()[2])
         r["per_rank"] = [{}] * 4
-    slow_network.add_comparisons(rows)
-    verdicts = {t["target"]: (t["verdict"], t["value"]) for t in slow_network.evaluate_targets(rows)}
+    report.add_comparisons(rows)
+    verdicts = {t["target"]: (t["verdict"], t["value"]) for t in report.evaluate_targets(rows)}
     assert verdicts["100 Mbit/s 0 ms: clapping-fc step time <= 1.15x loopback step time"] == ("MET",
                                                                                              pytest.approx(1.1))
     assert verdicts["100 Mbit/s 25 ms: clapping-fc step time <= 1.15x loopback step time"] == ("NOT MET",
@@ -385,13 +385,13 @@ def _delayed_rows(fc_step, extra=()):
 
 
 def test_the_delay_floor_target_holds_up_to_125_percent_of_the_floor_on_delayed_100_mbit_links():
-    import slow_network
+    import _slow_network_report as report
 
     # floor: 0.2 s loopback + 2 x 3 x 25 ms = 0.35 s; 1.25 x 0.35 = 0.4375 s
     def floor_verdicts(fc_step, extra=()):
         rows = _delayed_rows(fc_step, extra)
-        slow_network.add_comparisons(rows)
-        return {t["target"]: (t["verdict"], t["value"], t["bound"]) for t in slow_network.evaluate_targets(rows)
+        report.add_comparisons(rows)
+        return {t["target"]: (t["verdict"], t["value"], t["bound"]) for t in report.evaluate_targets(rows)
                 if "delay floor" in t["target"]}
 
     key = ("100 Mbit/s 25 ms: clapping-fc step time <= 1.25x the delay floor (loopback step + 2 x (stages - 1) x "
@@ -412,21 +412,21 @@ def test_the_delay_floor_target_holds_up_to_125_percent_of_the_floor_on_delayed_
     # a failed clapping-fc run: not measured, not met
     rows = _delayed_rows(0.43)
     rows[2]["error"] = "rank 1 exited with 1"
-    slow_network.add_comparisons(rows)
-    verdict = next(t["verdict"] for t in slow_network.evaluate_targets(rows) if t["target"] == key)
+    report.add_comparisons(rows)
+    verdict = next(t["verdict"] for t in report.evaluate_targets(rows) if t["target"] == key)
     assert verdict.startswith("not measured")
 
 
 def test_each_link_lists_its_variants_by_time_to_target():
-    import slow_network
+    import _slow_network_report as report
 
     # target on 100 Mbit/s 25 ms: uncompressed's final 2.0, reached at step 20 after 24 s
     direct = _row("100 Mbit/s 25 ms", "direct", "direct", 0.5, [2.5, 1.9], 100.0)  # step 20: 20 s
     aq = _row("100 Mbit/s 25 ms", "aqsgd", "aqsgd", 1.0, [2.5, 2.2], 100.0)  # not reached, ends at 2.2
     fu = _row("100 Mbit/s 25 ms", "clapping-fu p=0.5", "clapping-fu", 0.6, [3.0, 2.1], 100.0)  # not reached, 2.1
     rows = _delayed_rows(0.4, (direct, aq, fu))  # clapping-fc: 0.4 s x 20 steps = 8 s
-    slow_network.add_comparisons(rows)
-    order = slow_network.first_to_target(rows)
+    report.add_comparisons(rows)
+    order = report.first_to_target(rows)
     assert list(order) == ["100 Mbit/s 25 ms", "25 Mbit/s 25 ms"]
     assert [(e["variant"], e["time_to_target_s"]) for e in order["100 Mbit/s 25 ms"]] == [
         ("clapping-fc p=0.5", pytest.approx(8.0)), ("direct", pytest.approx(10.0)),
@@ -434,7 +434,8 @@ def test_each_link_lists_its_variants_by_time_to_target():
 
 
 def test_a_link_check_that_cannot_measure_says_so_instead_of_stopping_the_benchmark():
-    import slow_network
+    import _slow_network_links as links
+    import _slow_network_settings as settings
     from _netns import Endpoint, NetnsError
 
     class BrokenLab:
@@ -446,10 +447,10 @@ def test_a_link_check_that_cannot_measure_says_so_instead_of_stopping_the_benchm
 
     args = argparse.Namespace(burst="8kb", latency="100ms")
     eps = [Endpoint("ns0", "d0", "10.77.1.1"), Endpoint("ns1", "d1", "10.77.1.2")]
-    check = slow_network.check_link(BrokenLab(), slow_network.LinkSpec(100.0, 25.0), eps, args)
+    check = links.check_link(BrokenLab(), settings.LinkSpec(100.0, 25.0), eps, args)
     assert check["verdict"] == "FAILED" and "probe server did not start" in check["problems"][0]
     assert check["rtt_ms_median"] is None and check["expected_rtt_ms"] == 50.0
-    slow_network.print_link_checks([check])  # prints dashes for what it could not measure
+    links.print_link_checks([check])  # prints dashes for what it could not measure
 
 
 def test_validate_only_measures_each_link_against_its_configuration(tmp_path):
@@ -511,64 +512,66 @@ def test_tiny_mode_runs_over_a_delayed_link(tiny_delayed_run):
 
 
 def _mode_args(links, sites, delay_ms=None, tiny=False):
-    import slow_network
+    import _slow_network_settings as settings
 
     return argparse.Namespace(tiny=tiny, quick=True, steps=None, val_every=None, val_batches=None, skip=None,
-                              seed=None, links=[slow_network.parse_link(x) for x in links], delay_ms=delay_ms,
-                              sites=None if sites is None else slow_network.parse_sites(sites))
+                              seed=None, links=[settings.parse_link(x) for x in links], delay_ms=delay_ms,
+                              sites=None if sites is None else settings.parse_sites(sites))
 
 
 def test_sites_give_one_site_per_stage_on_delayed_links_only():
-    import slow_network
+    import _slow_network_settings as settings
 
-    assert slow_network.parse_sites("0,0,1,1") == (0, 0, 1, 1) and slow_network.parse_sites("2, 0") == (2, 0)
+    assert settings.parse_sites("0,0,1,1") == (0, 0, 1, 1) and settings.parse_sites("2, 0") == (2, 0)
     for bad, why in (("", "one site number"), ("0,,1", "one site number"), ("a,b", "one site number"),
                      ("0,-1", "one site number"), ("1,1,1,1", "at least two sites")):
         with pytest.raises(argparse.ArgumentTypeError, match=why):
-            slow_network.parse_sites(bad)
-    mode = slow_network.make_mode(_mode_args(["25@25", "100@0"], "0,0,1,1"))
+            settings.parse_sites(bad)
+    mode = settings.make_mode(_mode_args(["25@25", "100@0"], "0,0,1,1"))
     assert [x.sites for x in mode.links] == [(0, 0, 1, 1)] * 2
     assert [(x.rate_mbit, x.delay_ms) for x in mode.links] == [(25.0, 25.0), (100.0, 0.0)]
-    assert slow_network.make_mode(_mode_args(["100"], "0,1,1,1", delay_ms=10)).links[0].sites == (0, 1, 1, 1)
-    assert slow_network.make_mode(_mode_args(["25@25"], None)).links[0].sites is None
+    assert settings.make_mode(_mode_args(["100"], "0,1,1,1", delay_ms=10)).links[0].sites == (0, 1, 1, 1)
+    assert settings.make_mode(_mode_args(["25@25"], None)).links[0].sites is None
     with pytest.raises(SystemExit, match="needs delayed links.*100 Mbit/s"):
-        slow_network.make_mode(_mode_args(["25@25", "100"], "0,0,1,1"))
+        settings.make_mode(_mode_args(["25@25", "100"], "0,0,1,1"))
     with pytest.raises(SystemExit, match="4 stages need 4 site numbers, got 3"):
-        slow_network.make_mode(_mode_args(["25@25"], "0,0,1"))
-    assert slow_network.make_mode(_mode_args(["25@25"], "0,1", tiny=True)).links[0].sites == (0, 1)
+        settings.make_mode(_mode_args(["25@25"], "0,0,1"))
+    assert settings.make_mode(_mode_args(["25@25"], "0,1", tiny=True)).links[0].sites == (0, 1)
 
 
 def test_a_mixed_link_never_reads_as_a_uniform_one():
-    import slow_network
+    import _slow_network_links as links
+    import _slow_network_settings as settings
 
-    uniform = slow_network.parse_link("25@25")
-    mixed = slow_network.make_mode(_mode_args(["25@25"], "0,0,1,1")).links[0]
+    uniform = settings.parse_link("25@25")
+    mixed = settings.make_mode(_mode_args(["25@25"], "0,0,1,1")).links[0]
     assert mixed.label == "25 Mbit/s 25 ms (sites 0,0,1,1)" and uniform.label == "25 Mbit/s 25 ms"
     assert mixed.key == "25mbit_25ms_sites0-0-1-1" and uniform.key == "25mbit_25ms"
     assert mixed != uniform and mixed.kind == uniform.kind == "tun+relay"
     args = argparse.Namespace(burst="8kb", latency="100ms")
-    assert "between sites only" in slow_network.shaping_text(mixed, args)
-    assert "sites" not in slow_network.shaping_text(uniform, args)
+    assert "between sites only" in links.shaping_text(mixed, args)
+    assert "sites" not in links.shaping_text(uniform, args)
     for name, stem in (("quick", "slow_network_delay_mixed_quick"), ("full", "slow_network_delay_mixed")):
-        mode = slow_network.Mode(name, links=[mixed])
-        assert slow_network.output_stem(mode, argparse.Namespace(stem=None)) == stem
+        mode = settings.Mode(name, links=[mixed])
+        assert settings.output_stem(mode, argparse.Namespace(stem=None)) == stem
 
 
 def test_the_sites_of_the_stages_are_given_to_the_endpoints_that_run_them():
-    import slow_network
+    import _slow_network_links as links
 
     # endpoint (global rank) i runs stage S - 1 - i: the per-stage list is reversed
-    assert slow_network.endpoint_sites((0, 0, 0, 1)) == [1, 0, 0, 0]
-    assert slow_network.endpoint_sites(None) is None
+    assert links.endpoint_sites((0, 0, 0, 1)) == [1, 0, 0, 0]
+    assert links.endpoint_sites(None) is None
     # the link check: neighbouring stages across sites (the slow boundary), and neighbours within a site
-    assert slow_network.probe_pairs(None, 4) == ((0, 1), None)
-    assert slow_network.probe_pairs((0, 0, 1, 1), 4) == ((1, 2), (0, 1))
-    assert slow_network.probe_pairs((0, 0, 0, 1), 4) == ((0, 1), (1, 2))
-    assert slow_network.probe_pairs((0, 1), 2) == ((0, 1), None)
+    assert links.probe_pairs(None, 4) == ((0, 1), None)
+    assert links.probe_pairs((0, 0, 1, 1), 4) == ((1, 2), (0, 1))
+    assert links.probe_pairs((0, 0, 0, 1), 4) == ((0, 1), (1, 2))
+    assert links.probe_pairs((0, 1), 2) == ((0, 1), None)
 
 
 def test_the_link_check_of_a_mixed_cluster_measures_across_sites_and_within_one():
-    import slow_network
+    import _slow_network_links as links
+    import _slow_network_settings as settings
     from _netns import Endpoint
 
     class FakeLab:
@@ -579,7 +582,7 @@ def test_the_link_check_of_a_mixed_cluster_measures_across_sites_and_within_one(
             self.pairs.append((src.addr, dst.addr))
             cross = src.ns[-1] != dst.ns[-1]  # the namespace's last letter is its site here
             rtt = 50.5 if cross else self.same_rtt
-            return dict(dict.fromkeys(slow_network.MEASURED, None), rtt_ms_min=rtt, rtt_ms_median=rtt,
+            return dict(dict.fromkeys(links.MEASURED, None), rtt_ms_min=rtt, rtt_ms_median=rtt,
                         rtt_ms_max=rtt, owd_ms_there_min=rtt / 2, owd_ms_back_min=rtt / 2,
                         steady_mbit_s=24.0 if cross else 900.0, mbit_s=20.0 if cross else 800.0)
 
@@ -589,49 +592,49 @@ def test_the_link_check_of_a_mixed_cluster_measures_across_sites_and_within_one(
     # stages 0,0,1,1 run on endpoints 3,2,1,0: endpoints 0 and 1 are site 1, endpoints 2 and 3 site 0
     eps = [Endpoint(f"ns{i}s{site}", f"d{i}", f"10.77.1.{i + 1}") for i, site in enumerate((1, 1, 0, 0))]
     args = argparse.Namespace(burst="8kb", latency="100ms")
-    link = slow_network.make_mode(_mode_args(["25@25"], "0,0,1,1")).links[0]
+    link = settings.make_mode(_mode_args(["25@25"], "0,0,1,1")).links[0]
     lab = FakeLab(same_rtt=0.4)
-    check = slow_network.check_link(lab, link, eps, args)
+    check = links.check_link(lab, link, eps, args)
     assert lab.pairs == [("10.77.1.2", "10.77.1.3"), ("10.77.1.1", "10.77.1.2")]
     assert (check["from_stage"], check["to_stage"], check["rtt_ms_median"]) == (2, 1, 50.5)
     assert check["verdict"] == "ok", check["problems"]
     assert check["sites"] == [0, 0, 1, 1] and check["same_site"]["rtt_ms_median"] == 0.4
     assert (check["same_site"]["from_stage"], check["same_site"]["to_stage"]) == (3, 2)
-    slow = slow_network.check_link(FakeLab(same_rtt=50.5), link, eps, args)  # the LAN is shaped too: wrong
+    slow = links.check_link(FakeLab(same_rtt=50.5), link, eps, args)  # the LAN is shaped too: wrong
     assert slow["verdict"] == "OFF" and "same-site RTT" in slow["problems"][0]
-    slow_network.print_link_checks([check, slow])
+    links.print_link_checks([check, slow])
     # the relay gets the sites in the order of its endpoints, and the queue bound as before
     class RecordingLab:
         def set_delay_links(self, *given, **named):
             self.given = (given, named)
 
     lab = RecordingLab()
-    assert slow_network.configure_link(lab, link, args, [], eps) == eps
+    assert links.configure_link(lab, link, args, [], eps) == eps
     assert lab.given == ((25.0, 25.0, 100.0), {"sites": [1, 1, 0, 0]})
-    slow_network.configure_link(lab, slow_network.parse_link("25@25"), args, [], eps)
+    links.configure_link(lab, settings.parse_link("25@25"), args, [], eps)
     assert lab.given == ((25.0, 25.0, 100.0), {"sites": None})
     # without sites: stage namespaces 0 and 1 as before, nothing within a site
     lab = FakeLab(same_rtt=0.4)
-    plain = slow_network.check_link(lab, slow_network.parse_link("25@25"), eps[:2], args)
+    plain = links.check_link(lab, settings.parse_link("25@25"), eps[:2], args)
     assert lab.pairs == [("10.77.1.1", "10.77.1.2")] and plain["same_site"] is None and plain["sites"] is None
 
 
 def test_the_delay_floor_of_a_mixed_cluster_counts_the_boundaries_between_sites():
-    import slow_network
+    import _slow_network_report as report
 
     rows = _delayed_rows(0.4)
     for r in rows[1:3]:
         r["sites"] = [0, 0, 1, 1]  # one boundary crosses sites: 0.2 s + 2 x 1 x 25 ms
-    slow_network.add_comparisons(rows)
+    report.add_comparisons(rows)
     assert rows[2]["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 0.025)
     assert rows[4]["delay_floor_step_s"] == pytest.approx(0.2 + 2 * 3 * 0.025)  # no sites: every boundary
 
 
 def test_a_codec_per_boundary_becomes_the_strategys_map():
-    import slow_network
+    import _slow_network_settings as settings
     from lightning_clapping.codecs import get_codec
 
-    codec_arg = slow_network.codec_arg
+    codec_arg = settings.codec_arg
     assert codec_arg("q4", 3) == "q4" and codec_arg("q4", 3, get_codec) == "q4"
     assert codec_arg("-,q4,-", 3, get_codec) == {1: "q4"}
     assert codec_arg("q8, -, topk:0.1+q8", 3, get_codec) == {0: "q8", 2: "topk:0.1+q8"}
@@ -655,16 +658,16 @@ def test_a_codec_per_boundary_becomes_the_strategys_map():
 
 
 def test_a_per_boundary_codec_pair_is_a_readable_variant_and_its_length_is_checked():
-    import slow_network
+    import _slow_network_settings as settings
 
-    variants = slow_network.make_variants(_variant_args(fc_extra=["-,q4,-/-,q8,-"], no_auto=True))
+    variants = settings.make_variants(_variant_args(fc_extra=["-,q4,-/-,q8,-"], no_auto=True))
     extra = next(v for v in variants if "," in v.forward_codec)
     assert (extra.label, extra.variant, extra.forward_codec, extra.backward_codec) == (
         "clapping-fc p=0.5 -,q4,-/-,q8,-", "clapping-fc", "-,q4,-", "-,q8,-")
-    slow_network.check_variant_codecs(variants, 3)
-    short = slow_network.make_variants(_variant_args(fc_extra=["-,q4/-,q8,-"], no_auto=True))
+    settings.check_variant_codecs(variants, 3)
+    short = settings.make_variants(_variant_args(fc_extra=["-,q4/-,q8,-"], no_auto=True))
     with pytest.raises(SystemExit, match="clapping-fc p=0.5 -,q4/-,q8,-: .*3 boundaries need 3 entries, got 2"):
-        slow_network.check_variant_codecs(short, 3)
+        settings.check_variant_codecs(short, 3)
 
 
 def test_a_per_boundary_codec_list_that_starts_uncompressed_is_read_as_a_value_not_an_option():
@@ -678,23 +681,23 @@ def test_a_per_boundary_codec_list_that_starts_uncompressed_is_read_as_a_value_n
 
 
 def test_loopback_only_runs_every_variant_on_loopback_and_no_shaped_link():
-    import slow_network
+    import _slow_network_settings as settings
 
-    variants = slow_network.make_variants(_variant_args(no_auto=True))
-    loop = slow_network.loopback_variants(variants, _variant_args(loopback_only=True))
+    variants = settings.make_variants(_variant_args(no_auto=True))
+    loop = settings.loopback_variants(variants, _variant_args(loopback_only=True))
     assert [v.label for v in loop] == [v.label for v in variants]
     # without the flag: uncompressed and the main clapping-fc, as before
-    assert len(slow_network.loopback_variants(variants, _variant_args(loopback_only=False))) == 2
+    assert len(settings.loopback_variants(variants, _variant_args(loopback_only=False))) == 2
 
 
 def test_what_autotune_chose_is_recorded_per_boundary_and_direction():
-    import slow_network
+    import _slow_network_worker as worker
     from lightning_clapping.autotune.tune import Choice
 
     def choice(boundary, fwd, bwd):
         return Choice(boundary, "clapping-fc", fwd, bwd, 0, 0, 0.0, 0.0, 0.0, 0.0, True, True)
 
     chosen = {1: choice(1, "q4", "uncompressed"), 0: choice(0, "bf16", "q8")}
-    assert slow_network.autotune_choice(chosen) == {"0": {"fwd": "bf16", "bwd": "q8"},
+    assert worker.autotune_choice(chosen) == {"0": {"fwd": "bf16", "bwd": "q8"},
                                                     "1": {"fwd": "q4", "bwd": "uncompressed"}}
-    assert slow_network.autotune_choice(None) is None and slow_network.autotune_choice({}) is None
+    assert worker.autotune_choice(None) is None and worker.autotune_choice({}) is None
