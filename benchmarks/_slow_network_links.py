@@ -43,6 +43,7 @@ def probe_pairs(sites: tuple[int, ...] | None, n: int) -> tuple[tuple[int, int],
 
 
 def shaping_text(link: LinkSpec, args: argparse.Namespace) -> str:
+    """How ``link`` is made, in words (printed, and saved under ``shaping`` in the settings)."""
     if link.delay_ms is None:
         return f"veth, tbf burst {args.burst} latency {args.latency}"
     text = f"TUN + relay, per-sender rate without burst, queue {_ms(args.latency):g} ms, delay {link.delay_ms:g} ms"

@@ -134,6 +134,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def time_to_target(row: dict, target: float | None) -> tuple[float | None, int | None]:
+    """The training time and step of the run's first validation at or below ``target``; (None, None) if none."""
     if target is None or row.get("error"):
         return None, None
     for v in row["vals"]:
@@ -238,6 +239,7 @@ def first_to_target(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def _fmt(x, spec=".3f", none="-") -> str:
+    """A number for a table, or ``none`` (a dash) for one that was not measured."""
     return none if x is None else format(x, spec)
 
 
@@ -257,6 +259,7 @@ TABLE_LEGEND = (
 
 
 def print_table(rows: list[dict]) -> None:
+    """The table of runs, one line each (``TABLE_LEGEND`` says what the columns hold)."""
     head = (f"{'link':<16} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'x floor':>7} "
             f"{'MiB/step':>8} {'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} "
             f"{'to target s':>11} {'x unc':>6} {'other':>5}")
@@ -337,6 +340,7 @@ def print_boundary_bytes(rows: list[dict], mode: Mode) -> None:
 
 
 def print_targets(targets: list[dict], mode_name: str) -> None:
+    """Each target's verdict and measured value (in tiny mode only to exercise the code)."""
     print("\ntargets (char-LM):" if mode_name != "tiny" else "\ntargets (tiny model: not meaningful, printed to test "
                                                              "the code path):")
     for t in targets:
@@ -375,6 +379,8 @@ def warn_if_disturbed(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path: Path) -> None:
+    """The step time of every variant on every link (first panel), and each shaped link's validation loss against
+    training time (one panel each)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -433,6 +439,7 @@ def plot(rows: list[dict], links: list[LinkSpec], shaping: dict[str, str], path:
 
 
 def machine() -> dict:
+    """The machine and the versions the runs used, and the load average at the start."""
     from importlib.metadata import version  # no torch import in the launcher: it only waits for the ranks
 
     from _machine import cpu_model

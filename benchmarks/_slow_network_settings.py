@@ -115,7 +115,7 @@ def codec_arg(text: str, boundaries: int, get_codec=None):
     return out
 
 
-def check_variant_codecs(variants: list["Variant"], boundaries: int) -> None:
+def check_variant_codecs(variants: list[Variant], boundaries: int) -> None:
     """Refuse a per-boundary codec list of the wrong length before anything is built."""
     for v in variants:
         for text in (v.forward_codec, v.backward_codec):
@@ -135,6 +135,8 @@ def _ms(text: str) -> float:
 
 @dataclass(frozen=True)
 class Variant:
+    """One row of a link's runs: a ``ClappingStrategy`` variant with its codecs, lazy-sampling p and options."""
+
     label: str
     variant: str
     p: float = 1.0  # lazy sampling: probability of a fresh batch (1.0: plain data module, except for aqsgd)
@@ -153,6 +155,8 @@ class Variant:
 
 @dataclass
 class Mode:
+    """The size of a run (tiny, quick or full): pipeline and model, batch, steps, validation, the links."""
+
     name: str
     stages: int = 4
     d: int = 128
@@ -171,6 +175,7 @@ class Mode:
 
 
 def make_mode(args: argparse.Namespace) -> Mode:
+    """The mode the options ask for, with their steps, validation, seed and links (``--delay-ms``, ``--sites``)."""
     if args.tiny:
         mode = Mode("tiny", stages=2, d=32, heads=2, layers=2, block=32, batch=8, microbatches=2, steps=3,
                     val_every=3, val_batches=1, skip=1, links=[LinkSpec(100.0)], data_limit=256)
