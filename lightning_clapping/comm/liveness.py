@@ -64,6 +64,7 @@ from datetime import timedelta
 from typing import Any
 
 from lightning_clapping.comm import liveness_actions as actions
+from lightning_clapping.comm.failures import failure_key
 
 #: seconds between two heartbeats of a rank (and between two reads of the others' heartbeats)
 DEFAULT_INTERVAL = 1.0
@@ -79,11 +80,6 @@ _STORE_OP_LIMIT = 2.0  # seconds a side task (reason, endpoints) waits for the s
 
 class _StoreGone(RuntimeError):
     """A call on the watchdog's store connection failed: the store's process ended, or the connection was closed."""
-
-
-def failure_key(rank: int) -> str:
-    """Where a rank's failure reason lies in the store (the convention of :mod:`lightning_clapping.comm.failures`)."""
-    return f"clapping/failure/{rank}"
 
 
 @dataclass
