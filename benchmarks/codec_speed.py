@@ -16,7 +16,7 @@ and ``codec_speed.csv`` under ``--out``, with a description of the machine.
 
 Every run also prints (and stores under ``"payloads"`` in the JSON) the bytes of the quantizers with float32 and
 fp16 scales at two message shapes of the project's benchmarks, computed, not timed: ``payload_nbytes`` of the codec
-and the whole data message (``lightning_clapping.comm.channel.message_nbytes``: header, shape and alignment included),
+and the whole data message (``lightning_clapping.comm.wire.message_nbytes``: header, shape and alignment included),
 each against the same tensor sent as float32. ``--payloads-only`` prints just that table.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lightning_clapping.comm.channel import message_nbytes  # noqa: E402
+from lightning_clapping.comm.wire import message_nbytes  # noqa: E402
 from lightning_clapping.codecs import compression_ratio, get_codec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

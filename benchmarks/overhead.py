@@ -106,6 +106,7 @@ def run_torch_pipelining(rank, world, cfg, data):
 def run_bare_executor(rank, world, cfg, data):
     from lightning_clapping.pipeline.executor import PipelineExecutor
     from lightning_clapping.codecs.feedback import MessageRule, StepContext
+    from lightning_clapping.comm.placement import Placement, Topology
     from lightning_clapping.pipeline.microbatch import split_batch
     from lightning_clapping.pipeline.partition import build_partition
     from lightning_clapping.pipeline.stage import StageRunner
@@ -116,7 +117,7 @@ def run_bare_executor(rank, world, cfg, data):
     runner = StageRunner(model, build_partition(model, world, splits), stage)
     runner.release_foreign_state()
     runner.install()
-    executor = PipelineExecutor(runner, lambda s: world - 1 - s, torch.device("cpu"),
+    executor = PipelineExecutor(runner, Placement(Topology(world, 1, world), rank, torch.device("cpu")),
                                 lambda b, d, t: MessageRule("uncompressed", "identity", b, d), schedule="gpipe")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.device.type != "meta"], lr=1e-3)
 

@@ -15,6 +15,7 @@ from _models import Block as GPTBlock
 from conftest import launch
 from lightning_clapping import ClappingStrategy
 from lightning_clapping.pipeline.recompute import check_policy, targets
+from lightning_clapping.comm.placement import Placement, Topology
 from lightning_clapping.pipeline.executor import PipelineExecutor
 from lightning_clapping.pipeline.partition import build_partition
 from lightning_clapping.pipeline.stage import StageRunner
@@ -52,7 +53,7 @@ def _train_step(policy, seed_base: int = 100):
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     runner = StageRunner(model, build_partition(model, 1, None), 0, check_policy(policy))
     runner.install()
-    executor = PipelineExecutor(runner, lambda stage: 0, torch.device("cpu"), lambda *a: None)
+    executor = PipelineExecutor(runner, Placement(Topology(1, 1, 1), 0, torch.device("cpu")), lambda *a: None)
     DropBlock.calls, saved = 0, [0]
 
     def pack(t):

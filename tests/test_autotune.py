@@ -19,25 +19,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.autotune.tune import (
+from lightning_clapping.autotune.choose import (
     DEFAULT_CANDIDATES,
-    UNCOMPRESSED,
     Choice,
-    LinkMeasure,
-    agree,
     choose,
     choose_pipeline,
-    codec_times,
     describe,
     ladder,
     log_values,
-    message_bytes,
-    probe_boundaries,
-    probe_link,
-    probe_plan,
 )
+from lightning_clapping.autotune.messages import UNCOMPRESSED, message_bytes
+from lightning_clapping.autotune.probe import LinkMeasure, codec_times, probe_boundaries, probe_link, probe_plan
+from lightning_clapping.autotune.tune import agree
 from conftest import run_gloo_ranks
-from lightning_clapping.comm.channel import message_nbytes
+from lightning_clapping.comm.wire import message_nbytes
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import MessageRule
 

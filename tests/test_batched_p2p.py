@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import run_gloo_ranks
-from lightning_clapping.comm.channel import Part, PeerChannel, exchange, from_raw_bytes, pack, raw_bytes, unpack
+from lightning_clapping.comm.channel import PeerChannel, exchange
+from lightning_clapping.comm.wire import Part, from_raw_bytes, pack, raw_bytes, unpack
 from lightning_clapping.comm.p2p import P2PQueue
 
 TIMEOUT = timedelta(seconds=10)  # a deadlock ends as a timeout in the worker, reported as an error
@@ -66,16 +67,19 @@ def _batches(rank: int, schedule: str, prepost: bool) -> dict:
     """
     from lightning_clapping.pipeline.executor import PipelineExecutor
     from lightning_clapping.codecs.feedback import MessageRule
+    from lightning_clapping.comm.placement import Placement, Topology
     from lightning_clapping.pipeline.partition import build_partition
     from lightning_clapping.pipeline.stage import StageRunner
 
     torch.manual_seed(0)
     net, reference = Net(), Net()
     reference.load_state_dict(net.state_dict())
-    runner = StageRunner(net, build_partition(net, 2, ["second"]), stage=rank)
+    placement = Placement(Topology(2, 1, 2), rank, CPU)  # stage 1 on rank 0, as the strategy places them
+    stage = placement.stage
+    runner = StageRunner(net, build_partition(net, 2, ["second"]), stage=stage)
     runner.release_foreign_state()
     runner.install()
-    executor = PipelineExecutor(runner, lambda s: s, CPU, lambda b, d, t: MessageRule("uncompressed", "identity", b, d),
+    executor = PipelineExecutor(runner, placement, lambda b, d, t: MessageRule("uncompressed", "identity", b, d),
                                 schedule=schedule, prepost=prepost, timeout=TIMEOUT)
     recorded, real = [], dist.batch_isend_irecv
 
@@ -99,10 +103,10 @@ def _batches(rank: int, schedule: str, prepost: bool) -> dict:
             dist.batch_isend_irecv = real
     reference.zero_grad()
     sum(w * reference(x).pow(2).mean() for x, w in zip(micro, weights)).backward()
-    mine = net.first if rank == 0 else net.second
-    theirs = reference.first if rank == 0 else reference.second
+    mine = net.first if stage == 0 else net.second
+    theirs = reference.first if stage == 0 else reference.second
     same = all(torch.allclose(a.grad, b.grad, atol=1e-6) for a, b in zip(mine.parameters(), theirs.parameters()))
-    return {"batches": recorded, "bytes": stats.fwd_bytes + stats.bwd_bytes, "same_grads": same}
+    return {"batches": recorded, "bytes": stats.fwd_bytes + stats.bwd_bytes, "same_grads": same, "stage": stage}
 
 
 def _worker(rank, port, out):
@@ -139,7 +143,8 @@ def test_ranks_that_both_send_before_receiving_and_resize_at_once_exchange_in_or
         assert _get(ranks, "both_send_first", rank) == expected
 
 
-# (sends, receives) per batch of the second step, micro-batch 2 resized both ways (see schedule.with_exchanges)
+# per stage, (sends, receives) per batch of the second step, micro-batch 2 resized both ways (see
+# schedule.with_exchanges)
 EXPECTED = {
     "1f1b": ([(1, 0), (1, 1), (1, 1), (1, 0), (1, 1), (0, 1), (0, 1)],  # f2 resized: its message follows alone
              [(0, 1), (1, 1), (1, 1), (0, 1), (1, 1), (1, 0), (1, 0)]),
@@ -152,7 +157,7 @@ def test_the_executor_issues_each_exchange_as_one_batch_and_matches_one_process(
     for rank in (0, 1):
         got = _get(ranks, (schedule, False), rank)
         assert got["same_grads"]
-        assert [(s, r) for s, r, _ in got["batches"]] == EXPECTED[schedule][rank]
+        assert [(s, r) for s, r, _ in got["batches"]] == EXPECTED[schedule][got["stage"]]
 
 
 @pytest.mark.parametrize("key", [("1f1b", False), ("gpipe", False), ("1f1b", True)], ids=["ordered-1f1b",
@@ -167,14 +172,15 @@ def test_every_byte_the_executor_counts_goes_through_batch_isend_irecv(ranks, ke
 def test_receives_posted_ahead_are_refused_where_nccl_matches_messages_by_order(monkeypatch):
     from types import SimpleNamespace
 
+    from lightning_clapping.comm.placement import Placement, Topology
     from lightning_clapping.pipeline.executor import PipelineExecutor
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     runner, no_rules = SimpleNamespace(stage=0, num_stages=2), lambda boundary, direction, training: None
-    cuda = torch.device("cuda", 0)
+    cuda = Placement(Topology(2, 1, 2), 1, torch.device("cuda", 0))  # stage 0
     with pytest.raises(ValueError, match="prepost_receives=True .* NCCL matches point-to-point messages by their order"):
-        PipelineExecutor(runner, lambda s: s, cuda, no_rules, prepost=True)
-    assert PipelineExecutor(runner, lambda s: s, cuda, no_rules, prepost=False).queue.ordered
+        PipelineExecutor(runner, cuda, no_rules, prepost=True)
+    assert PipelineExecutor(runner, cuda, no_rules, prepost=False).queue.ordered
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")  # gloo matches CUDA tensors by tag too
-    assert not PipelineExecutor(runner, lambda s: s, cuda, no_rules, prepost=True).queue.ordered
+    assert not PipelineExecutor(runner, cuda, no_rules, prepost=True).queue.ordered

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from conftest import channel_holding, run_gloo_ranks
-from lightning_clapping.comm.channel import (
+from lightning_clapping.comm.channel import PeerChannel
+from lightning_clapping.comm.wire import (
     HEADER_BYTES,
     KIND_RESIZE,
     Part,
-    PeerChannel,
     WireError,
     from_raw_bytes,
     pack,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_clapping import ClappingStrategy
-from lightning_clapping.comm.channel import message_nbytes, pack, unpack
 from lightning_clapping.codecs import NonFiniteError, get_codec
-from lightning_clapping.codecs.feedback import CODEC, FULL, RAW, SKIP, MessageRule, StepContext
+from lightning_clapping.codecs.feedback import MessageRule, StepContext
+from lightning_clapping.comm.wire import CODEC, FULL, RAW, SKIP, message_nbytes, pack, unpack
 
 VARIANTS = ["direct", "ef21", "clapping-fc", "clapping-fu", "aqsgd"]
 CODECS = ["q4", "q2:group16:sr", "q1", "topk:0.2", "randk:0.3", "bf16", "fp8"]

@@ -7,7 +7,6 @@ import pytest
 from lightning_clapping.pipeline.schedule import (
     Action,
     Exchange,
-    Link,
     Message,
     forward_only,
     get_schedule,
@@ -16,9 +15,9 @@ from lightning_clapping.pipeline.schedule import (
     one_f_one_b,
     simulate,
     simulate_exchanges,
-    step_time,
     with_exchanges,
 )
+from lightning_clapping.pipeline.timing import Link, step_time
 
 PAIRS = [(s, m) for s in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 

@@ -18,18 +18,21 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from conftest import channel_holding  # noqa: E402
-from lightning_clapping.comm.channel import (  # noqa: E402
+from lightning_clapping.comm.wire import (  # noqa: E402
+    CODEC,
     DTYPE_CODE,
+    FULL,
     HEADER_BYTES,
     KNOWN_FLAGS,
     MAX_NDIM,
+    RAW,
+    SKIP,
     Part,
     WireError,
     pack,
     resize_message,
     unpack,
 )
-from lightning_clapping.codecs.feedback import CODEC, FULL, RAW, SKIP  # noqa: E402
 
 KNOWN = (RAW, CODEC, FULL, SKIP)
 WHERE = "boundary 2, forward, micro-batch 1"

@@ -2,7 +2,7 @@
 
 One :class:`MessageRule` serves one boundary and direction on one side (the sender's ``encode`` and the receiver's
 ``decode`` are the same class with the same settings). Each tensor of a message is sent in one of four wire forms,
-named by the part's codec id:
+named by the part's codec id (the ids and the byte layout are :mod:`lightning_clapping.comm.wire`'s):
 
 ``RAW``    the tensor's own bytes, no state (uncompressed runs; masks and other tensors that carry no gradient)
 ``FULL``   the tensor's own bytes, and both ends reset their buffer to it (a fresh batch under Clapping-FU, the first
@@ -63,10 +63,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_clapping.comm.channel import FLAG_REQUIRES_GRAD, Part, from_raw_bytes, raw_bytes
 from lightning_clapping.codecs import Codec, NonFiniteError, get_codec
+from lightning_clapping.comm.wire import CODEC, FLAG_REQUIRES_GRAD, FULL, RAW, SKIP, Part, from_raw_bytes, raw_bytes
 
-RAW, CODEC, FULL, SKIP = 0, 1, 2, 3
 _BUFFER_NAME = re.compile(r"slot(\d+)\.t(\d+)\.rows(-?\d+)(?:\.(last_rel|skips))?")  # see MessageRule.state
 VARIANTS = ("uncompressed", "direct", "ef21", "aqsgd", "clapping-fc", "clapping-fu")
 

@@ -29,6 +29,11 @@ class StageFailure(RuntimeError):
     """Another stage failed; the message names it and its exception."""
 
 
+def failure_key(rank: int) -> str:
+    """Where a rank's failure reason lies in the store (also written by the liveness watchdog for a hung rank)."""
+    return f"clapping/failure/{rank}"
+
+
 @contextlib.contextmanager
 def reported(stage: int, rank: int, num_stages: int) -> Generator[None, None, None]:
     """Run a step; on failure leave this stage's reason for rank 0, and on rank 0 raise the peer's reason."""
@@ -39,7 +44,7 @@ def reported(stage: int, rank: int, num_stages: int) -> Generator[None, None, No
         if store is None:
             raise
         with contextlib.suppress(Exception):
-            store.set(f"clapping/failure/{rank}", f"stage {stage} (rank {rank}) failed: {type(err).__name__}: {err}")
+            store.set(failure_key(rank), f"stage {stage} (rank {rank}) failed: {type(err).__name__}: {err}")
         if rank != 0 or not _is_peer_loss(err):
             raise
         cause = _peer_failure(store, num_stages)
@@ -58,7 +63,7 @@ def _peer_failure(store: Any, num_ranks: int, wait: float = 3.0) -> str | None:
     while True:
         found = None
         for rank in range(1, num_ranks):
-            key = f"clapping/failure/{rank}"
+            key = failure_key(rank)
             with contextlib.suppress(Exception):
                 if store.check([key]):
                     text = store.get(key).decode()
@@ -92,4 +97,4 @@ def check_same_batch(mine: tuple[float, ...], last: tuple[float, ...], stage: in
         )
 
 
-__all__ = ["StageFailure", "check_same_batch", "fingerprint", "reported"]
+__all__ = ["StageFailure", "check_same_batch", "failure_key", "fingerprint", "reported"]

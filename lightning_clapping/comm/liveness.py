@@ -19,21 +19,15 @@ itself done, the others' watchdogs wind down too (its process, and the store, ma
 
 When a peer is declared hung, the detecting rank
 
-1. writes the reason under ``clapping/failure/{rank of the hung peer}`` (the key :mod:`lightning_clapping.comm.failures`
-   reads): rank 0, which then fails with a lost connection, raises :class:`~lightning_clapping.comm.failures.StageFailure`
-   naming the hung stage. The reason also goes to this rank's stderr. The key is only written if absent, so a
-   stage's own failure reason is never replaced;
-2. ends the hung process if it runs in the same process space (same boot and PID namespace, and the same host name):
-   SIGKILL, after checking its start time so a reused pid is never hit (SIGKILL also ends a stopped process). Its
-   sockets close, so every rank blocked in a gloo transfer with it gets "Connection closed by peer" at once. A
-   process that already ended is not hung (nothing is done);
-3. otherwise (another host, or no permission to kill) closes this process's own TCP connections to it (Linux):
-   every rank publishes the local endpoints of its TCP connections (from ``/proc``), and ``shutdown()`` of the
-   matching sockets makes a gloo wait on that peer fail at once with "Connection closed by peer" (the descriptors
-   stay gloo's, and the connections to other ranks keep working). Nothing torch 2.13 offers wakes a blocked gloo
-   ``work.wait()`` from another thread: ``ProcessGroup.abort()``, the gloo backend's ``abort()`` and ``shutdown()``
-   and ``distributed_c10d._abort_process_group()`` all return at once and leave the wait blocked (tested). The hung
-   process itself stays on its host (stopped, or failing on its first transfer once it resumes): end it there;
+1. writes the reason under ``clapping/failure/{rank of the hung peer}`` (the key
+   :mod:`lightning_clapping.comm.failures` reads): rank 0, which then fails with a lost connection, raises
+   :class:`~lightning_clapping.comm.failures.StageFailure` naming the hung stage. The reason also goes to this
+   rank's stderr. The key is only written if absent, so a stage's own failure reason is never replaced;
+2. ends the hung process if it runs in the same process space (SIGKILL, never a reused pid); its sockets close, so
+   every rank blocked in a gloo transfer with it fails at once;
+3. otherwise (another host, or no permission to kill) shuts down this process's own TCP connections to it, which
+   makes a gloo wait on that peer fail at once (the hung process itself stays on its host: end it there).
+   :mod:`lightning_clapping.comm.liveness_actions` does both and says why nothing else would wake the wait;
 4. on a rank other than 0 (``may_exit``), ends this process with exit code 1 if it has not stopped its watchdog
    ``bound`` seconds later (its main thread may be blocked where no socket can wake it: a lock, a store wait, a
    transfer with a rank that is itself blocked), so the cascade always reaches rank 0. Rank 0 is the user's process
@@ -60,7 +54,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -69,6 +62,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from lightning_clapping.comm import liveness_actions as actions
+from lightning_clapping.comm.failures import failure_key
 
 #: seconds between two heartbeats of a rank (and between two reads of the others' heartbeats)
 DEFAULT_INTERVAL = 1.0
@@ -84,11 +80,6 @@ _STORE_OP_LIMIT = 2.0  # seconds a side task (reason, endpoints) waits for the s
 
 class _StoreGone(RuntimeError):
     """A call on the watchdog's store connection failed: the store's process ended, or the connection was closed."""
-
-
-def failure_key(rank: int) -> str:
-    """Where a rank's failure reason lies in the store (the convention of :mod:`lightning_clapping.comm.failures`)."""
-    return f"clapping/failure/{rank}"
 
 
 @dataclass
@@ -225,8 +216,8 @@ class Watchdog:
         self._grace_at = now
         for peer in self._peers.values():
             peer.changed_at = now
-        info = {"host": self.host, "pid": os.getpid(), "start": _start_time(os.getpid()), "space": _process_space(),
-                "stage": self.stage}
+        info = {"host": self.host, "pid": os.getpid(), "start": actions.start_time(os.getpid()),
+                "space": actions.process_space(), "stage": self.stage}
         self._call(lambda s: s.set(self._key("info", self.rank), json.dumps(info)))
         self._publish_endpoints()
         self._call(lambda s: s.add(self._key("beat", self.rank), 1))
@@ -300,11 +291,11 @@ class Watchdog:
 
     def _publish_endpoints(self) -> None:
         """Publish the local endpoints of this process's TCP connections when they changed (new groups connect)."""
-        inodes = _socket_inodes()
+        inodes = actions.socket_inodes()
         if inodes is None or inodes == self._published:
             return
         try:
-            endpoints = sorted({tuple(local) for local, _, _ in _tcp_connections(inodes).values()})
+            endpoints = actions.local_endpoints(inodes)
         except (OSError, ValueError):  # an unexpected /proc format: no endpoints, so no connections to close
             return
         self._call(lambda s: s.set(self._key("ep", self.rank), json.dumps(endpoints)))
@@ -402,8 +393,8 @@ class Watchdog:
         info = peer.info
         if info is None and not store_silent:
             info = self._bounded_call(lambda s: _get_json(s, self._key("info", peer.rank)))
-        local = bool(info) and info.get("host") == self.host and info.get("space") == _process_space()
-        if local and not _same_process(info["pid"], info.get("start")):
+        local = bool(info) and info.get("host") == self.host and info.get("space") == actions.process_space()
+        if local and not actions.same_process(info["pid"], info.get("start")):
             peer.done = True  # its process has ended: not hung, and its closed sockets already end the others
             return
         action = "killed" if local else "connections closed"
@@ -415,15 +406,10 @@ class Watchdog:
             return
         record = HungPeer(peer.rank, peer.stage, silent, reason, action)
         self.hung.append(record)  # before acting: the main thread may read it as soon as its wait fails
-        killed = False
-        if local:
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # (another user's process)
-                os.kill(int(info["pid"]), signal.SIGKILL)
-                killed = True
-        if not killed:
+        if not (local and actions.kill(info["pid"])):  # (killing fails for another user's process)
             endpoints = peer.endpoints if store_silent else self._bounded_call(
                 lambda s: _get_json(s, self._key("ep", peer.rank)))
-            closed = _shutdown_connections_to(endpoints or [])
+            closed = actions.shutdown_connections_to(endpoints or [])
             record.action = "connections closed" if closed else "none"
         self._exit_if_left_blocked(f"stage {peer.stage} (rank {peer.rank}) was declared hung")
 
@@ -481,126 +467,6 @@ def _say(text: str) -> None:
         sys.stdout.flush()
     with contextlib.suppress(Exception):
         print(text, file=sys.stderr, flush=True)
-
-
-def _process_space() -> str:
-    """Identifies where a pid means the same process: the kernel boot and the PID namespace (host name elsewhere)."""
-    parts = []
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    with contextlib.suppress(OSError):
-        parts.append(os.readlink("/proc/self/ns/pid"))
-    return "/".join(parts) or socket.gethostname()
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _start_time(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else None
-
-
-def _same_process(pid: int, start: int | None) -> bool:
-    """Whether ``pid`` is still the process that registered (not ended, not a zombie, not a reused pid)."""
-    fields = _stat_fields(int(pid))
-    if fields is None:
-        return _pid_exists(int(pid)) if start is None else False
-    if fields[0] in ("Z", "X"):
-        return False
-    return start is None or int(fields[19]) == int(start)
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _socket_inodes() -> frozenset[str] | None:
-    """The inodes of this process's sockets (None where /proc is missing)."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    inodes = set()
-    for name in names:
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/self/fd/{name}")
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    return frozenset(inodes)
-
-
-def _address(hex_address: str) -> tuple[str, int]:
-    """An address of /proc/net/tcp{,6} as (ip, port), an IPv4-mapped IPv6 address as plain IPv4."""
-    ip_hex, port_hex = hex_address.split(":")
-    raw = bytes.fromhex(ip_hex)
-    if len(raw) == 4:
-        ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
-    else:
-        ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
-        if ip.startswith("::ffff:") and "." in ip:
-            ip = ip[7:]
-    return ip, int(port_hex, 16)
-
-
-def _tcp_connections(inodes: frozenset[str]) -> dict[str, tuple[tuple[str, int], tuple[str, int], str]]:
-    """inode -> (local, remote, state) of this process's established TCP connections."""
-    found = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with contextlib.suppress(OSError):
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-            for line in lines:
-                cols = line.split()
-                if len(cols) > 9 and cols[3] == "01" and cols[9] in inodes:  # 01: ESTABLISHED
-                    found[cols[9]] = (_address(cols[1]), _address(cols[2]), cols[3])
-    return found
-
-
-def _shutdown_connections_to(endpoints: list[list[Any]]) -> int:
-    """Shut down this process's TCP connections whose far end is one of ``endpoints``; returns how many.
-
-    ``shutdown()`` (not ``close()``: the descriptor stays gloo's) makes a gloo wait on that connection fail at once
-    with "Connection closed by peer", and the far end sees the connection close too.
-    """
-    wanted = {(str(ip), int(port)) for ip, port in endpoints}
-    if not wanted:
-        return 0
-    fds: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/self/fd/{name}")
-                if link.startswith("socket:["):
-                    fds[link[8:-1]] = int(name)
-    closed = 0
-    for inode, (_, remote, _) in _tcp_connections(frozenset(fds)).items():
-        if remote in wanted:
-            try:
-                sock = socket.socket(fileno=fds[inode])
-            except OSError:
-                continue
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                closed += 1
-            except OSError:
-                pass
-            finally:
-                sock.detach()
-    return closed
 
 
 __all__ = ["DEFAULT_BOUND", "DEFAULT_INTERVAL", "HungPeer", "MIN_INTERVALS_PER_BOUND", "Watchdog", "failure_key"]

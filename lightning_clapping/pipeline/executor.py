@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -14,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_clapping.pipeline import schedule as schedules
-from lightning_clapping.comm.channel import (
-    FLAG_REQUIRES_GRAD, Part, PeerChannel, WireError, exchange, message_nbytes, pack, unpack
-)
 from lightning_clapping.codecs.feedback import MessageRule, StepContext
+from lightning_clapping.comm import wire
+from lightning_clapping.comm.channel import PeerChannel, exchange
 from lightning_clapping.comm.p2p import P2PQueue
+from lightning_clapping.comm.placement import Placement
+from lightning_clapping.pipeline import schedule as schedules
 from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
 
 PURPOSE_TRAIN_FWD = 1
@@ -28,10 +27,6 @@ PURPOSE_EVAL_FWD = 3
 
 #: ``make_rule(boundary, direction, training) -> MessageRule``; direction is "fwd" or "bwd"
 RuleFactory = Callable[[int, str, bool], MessageRule]
-
-#: codec id of the step's results (loss, logged values) appended to the last gradient message of a step
-ATTACHMENT = 255
-_ATTACHMENT_ALIGN = 256  # results are padded to this, so their message keeps its size from step to step
 
 
 @dataclass
@@ -60,7 +55,7 @@ class StepStats:
 
 
 class PipelineExecutor:
-    """One stage's executor. ``rank_of_stage`` maps stage indices to global ranks.
+    """One stage's executor, on the rank, device and pipeline group of ``placement`` (its stage is the runner's).
 
     With ``step_results=True`` the last stage appends the step's results (bytes from the ``results`` callback of
     :meth:`train_step`) to its last gradient message of the step; every other stage forwards them with its own last
@@ -71,26 +66,29 @@ class PipelineExecutor:
     def __init__(
         self,
         runner: StageRunner,
-        rank_of_stage: Callable[[int], int],
-        device: torch.device,
+        placement: Placement,
         make_rule: RuleFactory,
         schedule: str = "1f1b",
-        group: dist.ProcessGroup | None = None,
         prepost: bool = True,
         timeout: timedelta | None = None,
         step_results: bool = False,
     ) -> None:
+        if (runner.stage, runner.num_stages) != (placement.stage, placement.num_stages):
+            raise ValueError(f"the runner holds stage {runner.stage} of {runner.num_stages}, but the placement puts "
+                             f"rank {placement.global_rank} on stage {placement.stage} of {placement.num_stages}")
         self.runner = runner
+        self.placement = placement
         self.make_rule = make_rule
         self.step_results = step_results
         #: (shape, dtype, compressible) of each tensor of the last message sent, by rule name ("fwd_out", "bwd_out")
         self.sent_specs: dict[str, list[tuple]] = {}
         self.results: bytes | None = None
         self._compute_s = 0.0
-        self.stage = runner.stage
-        self.num_stages = runner.num_stages
+        self.stage = placement.stage
+        self.num_stages = placement.num_stages
         self.schedule_fn = schedules.get_schedule(schedule)
-        self.device = device
+        self.device = device = placement.device
+        group = placement.pp_group
         self.first_step = True
         self.prepost = prepost
         if prepost and not _matches_by_tag(group, device):
@@ -108,7 +106,8 @@ class PipelineExecutor:
         def chan(peer_stage: int, purpose: int) -> PeerChannel | None:
             if not 0 <= peer_stage < n:
                 return None
-            return PeerChannel(rank_of_stage(peer_stage), purpose, device, group, prepost, timeout, queue=self.queue)
+            return PeerChannel(placement.rank_of_stage(peer_stage), purpose, device, group, prepost, timeout,
+                               queue=self.queue)
 
         self.fwd_out, self.fwd_in = chan(s + 1, PURPOSE_TRAIN_FWD), chan(s - 1, PURPOSE_TRAIN_FWD)
         self.bwd_out, self.bwd_in = chan(s - 1, PURPOSE_TRAIN_BWD), chan(s + 1, PURPOSE_TRAIN_BWD)
@@ -254,7 +253,7 @@ class PipelineExecutor:
                 return [t for t, _ in tensors]
             out = []
             for t, flags in tensors:
-                if flags & FLAG_REQUIRES_GRAD and t.dtype.is_floating_point:
+                if flags & wire.FLAG_REQUIRES_GRAD and t.dtype.is_floating_point:
                     leaf = t.detach().requires_grad_(True)
                     received.append(leaf)
                     t = leaf.clone()  # a non-leaf view, so the user's code may modify it in place
@@ -316,33 +315,29 @@ class PipelineExecutor:
         parts = rule.encode(j, tensors, ctx)
         self.sent_specs[rule_name] = [(tuple(t.shape), t.dtype, rule.compressible(t.detach(), p.flags))
                                       for t, p in zip(tensors, parts)]
-        if attached is not None:
-            parts.append(_results_part(attached))
-            stats.control_bytes += parts[-1].payload.numel()
+        attachment = wire.results_part(attached) if attached is not None else None
+        if attachment is not None:
+            parts.append(attachment)
+            stats.control_bytes += attachment.payload.numel()
         before = chan.bytes_sent
         # sent in the next exchange, with the receive the next action needs (see schedule.with_exchanges)
         back = rule_name == "bwd_out"
         message = schedules.Message("bwd" if back else "fwd", self.stage, self.stage + (-1 if back else 1), j)
-        self._outbox[message] = chan.send_ops(j, pack(parts, self.device), mode)
-        # what an uncompressed message would take: fp32 floats, the same step results
-        raw = message_nbytes([(tuple(t.shape), t.numel() * (4 if t.dtype.is_floating_point else t.element_size()))
-                              for t in tensors] + ([((parts[-1].payload.numel(),), parts[-1].payload.numel())]
-                                                   if attached is not None else []))
+        self._outbox[message] = chan.send_ops(j, wire.pack(parts, self.device), mode)
+        raw = wire.uncompressed_nbytes(tensors, attachment)
         direction = "bwd" if rule_name == "bwd_out" else "fwd"
         setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + chan.bytes_sent - before)
         setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
 
     def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext,
               with_results: bool = False) -> list[tuple[Tensor, int]]:
-        from lightning_clapping.codecs.feedback import CODEC, FULL, RAW, SKIP  # the wire forms (codec ids) a rule decodes
-
         rule = self.rules[rule_name]
         where = _name_message(rule, rule_name, j, chan.peer)
         msg = chan.recv(j, self._mode(rule_name, j, ctx), where)
-        known = (RAW, CODEC, FULL, SKIP, ATTACHMENT) if with_results else (RAW, CODEC, FULL, SKIP)
-        parts = unpack(msg, known_codecs=known, where=where)
+        known = (*wire.RULE_FORMS, wire.ATTACHMENT) if with_results else wire.RULE_FORMS
+        parts = wire.unpack(msg, known_codecs=known, where=where)
         if with_results:
-            self.results = _results_of(parts, where)
+            self.results = wire.results_of(parts, where)
         return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
 
     def _finish(self) -> None:
@@ -409,28 +404,6 @@ def _matches_by_tag(group: dist.ProcessGroup | None, device: torch.device) -> bo
     if device.type != "cuda" or not dist.is_initialized():
         return True
     return "nccl" not in str(dist.get_backend(group)).lower()
-
-
-def _results_part(blob: bytes) -> Part:
-    """``blob`` as the last part of a message: its length, the bytes, zeros up to a multiple of 256 bytes."""
-    size = -(-(len(blob) + 8) // _ATTACHMENT_ALIGN) * _ATTACHMENT_ALIGN
-    buf = bytearray(size)
-    struct.pack_into("<Q", buf, 0, len(blob))
-    buf[8 : 8 + len(blob)] = blob
-    return Part(ATTACHMENT, torch.uint8, (size,), torch.frombuffer(buf, dtype=torch.uint8))
-
-
-def _results_of(parts: list[Part], where: str) -> bytes:
-    """Remove the results part from ``parts`` (it must be the last, and the only one) and return its bytes."""
-    found = [i for i, p in enumerate(parts) if p.codec == ATTACHMENT]
-    if found != [len(parts) - 1]:
-        raise WireError(f"{where}: expected the step results as the last part, found them at parts {found}")
-    part = parts.pop()
-    raw = part.payload.cpu().numpy().tobytes()
-    length = struct.unpack_from("<Q", raw)[0] if len(raw) >= 8 else -1
-    if part.dtype != torch.uint8 or part.shape != (len(raw),) or not 0 <= length <= len(raw) - 8:
-        raise WireError(f"{where}: malformed step results ({len(raw)} bytes announcing {length})")
-    return raw[8 : 8 + length]
 
 
 def _loss_of(out: Any) -> Tensor:

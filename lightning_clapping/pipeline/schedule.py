@@ -86,6 +86,24 @@ class Message:
     microbatch: int
 
 
+def incoming(a: Action, s: int, n: int) -> Message | None:
+    """The message action ``a`` of stage ``s`` (of ``n``) receives before it runs, if any."""
+    if a.kind == "F" and s > 0:
+        return Message("fwd", s - 1, s, a.microbatch)
+    if a.kind == "B" and s < n - 1:
+        return Message("bwd", s + 1, s, a.microbatch)
+    return None
+
+
+def outgoing(a: Action, s: int, n: int) -> Message | None:
+    """The message action ``a`` of stage ``s`` (of ``n``) sends when it ends, if any."""
+    if a.kind == "F" and s < n - 1:
+        return Message("fwd", s, s + 1, a.microbatch)
+    if a.kind == "B" and s > 0:
+        return Message("bwd", s, s - 1, a.microbatch)
+    return None
+
+
 def messages(schedule: list[list[Action]]) -> tuple[list[list[Message]], list[list[Message]]]:
     """The sends and receives each stage performs, in order, for ``schedule``."""
     n = len(schedule)
@@ -93,16 +111,11 @@ def messages(schedule: list[list[Action]]) -> tuple[list[list[Message]], list[li
     recvs: list[list[Message]] = [[] for _ in range(n)]
     for s, actions in enumerate(schedule):
         for a in actions:
-            if a.kind == "F":
-                if s > 0:
-                    recvs[s].append(Message("fwd", s - 1, s, a.microbatch))
-                if s < n - 1:
-                    sends[s].append(Message("fwd", s, s + 1, a.microbatch))
-            else:
-                if s < n - 1:
-                    recvs[s].append(Message("bwd", s + 1, s, a.microbatch))
-                if s > 0:
-                    sends[s].append(Message("bwd", s, s - 1, a.microbatch))
+            received, sent = incoming(a, s, n), outgoing(a, s, n)
+            if received is not None:
+                recvs[s].append(received)
+            if sent is not None:
+                sends[s].append(sent)
     return sends, recvs
 
 
@@ -120,7 +133,7 @@ def simulate(schedule: list[list[Action]]) -> int:
     ):
         raise RuntimeError("the schedule's sends and receives do not match one to one")
     pc = [0] * n
-    delivered: set[tuple] = set()
+    delivered: set[Message] = set()
     done_fwd: list[set[int]] = [set() for _ in range(n)]
     rounds = 0
     while any(pc[s] < len(schedule[s]) for s in range(n)):
@@ -130,17 +143,14 @@ def simulate(schedule: list[list[Action]]) -> int:
             if pc[s] >= len(schedule[s]):
                 continue
             a = schedule[s][pc[s]]
-            if a.kind == "F":
-                need = ("fwd", s - 1, s, a.microbatch) if s > 0 else None
-            else:
-                if a.microbatch not in done_fwd[s]:
-                    raise RuntimeError(f"stage {s} runs B{a.microbatch} before F{a.microbatch}")
-                need = ("bwd", s + 1, s, a.microbatch) if s < n - 1 else None
+            if a.kind == "B" and a.microbatch not in done_fwd[s]:
+                raise RuntimeError(f"stage {s} runs B{a.microbatch} before F{a.microbatch}")
+            need = incoming(a, s, n)
             if need is not None and need not in delivered:
                 continue
             if a.kind == "F":
                 done_fwd[s].add(a.microbatch)
-            out = _outgoing(a, s, n)
+            out = outgoing(a, s, n)
             if out is not None:
                 delivered.add(out)
             pc[s] += 1
@@ -151,15 +161,6 @@ def simulate(schedule: list[list[Action]]) -> int:
     return rounds
 
 
-def _outgoing(a: Action, s: int, n: int) -> tuple | None:
-    if a.kind == "F" and s < n - 1:
-        return ("fwd", s, s + 1, a.microbatch)
-    if a.kind == "B" and s > 0:
-        return ("bwd", s, s - 1, a.microbatch)
-    return None
-
-
-
 # ---------------------------------------------------------------------------------------------- grouped messages
 @dataclass(frozen=True)
 class Exchange:
@@ -167,14 +168,6 @@ class Exchange:
 
     sends: tuple[Message, ...]
     recvs: tuple[Message, ...]
-
-
-def _incoming(a: Action, s: int, n: int) -> Message | None:
-    if a.kind == "F" and s > 0:
-        return Message("fwd", s - 1, s, a.microbatch)
-    if a.kind == "B" and s < n - 1:
-        return Message("bwd", s + 1, s, a.microbatch)
-    return None
 
 
 def with_exchanges(schedule: list[list[Action]]) -> list[list[Action | Exchange]]:
@@ -207,16 +200,16 @@ def with_exchanges(schedule: list[list[Action]]) -> list[list[Action | Exchange]
         steps: list[Action | Exchange] = []
         pending: tuple[Message, ...] = ()
         for a in actions:
-            incoming = _incoming(a, s, n)
-            recvs = (incoming,) if incoming is not None else ()
+            received = incoming(a, s, n)
+            recvs = (received,) if received is not None else ()
             if recvs and any(depends(recvs[0], m) for m in pending):
                 steps.append(Exchange(pending, ()))
                 pending = ()
             if pending or recvs:
                 steps.append(Exchange(pending, recvs))
             steps.append(a)
-            sent = _outgoing(a, s, n)
-            pending = (Message(*sent),) if sent is not None else ()
+            sent = outgoing(a, s, n)
+            pending = (sent,) if sent is not None else ()
         if pending:
             steps.append(Exchange(pending, ()))
         out.append(steps)
@@ -290,73 +283,3 @@ def simulate_exchanges(steps: list[list[Action | Exchange]], resized: frozenset[
             state = {s: groups[s][active[s]] for s in range(len(groups)) if active[s] < len(groups[s])}
             raise RuntimeError(f"deadlock: stages wait in the groups {state}")
     return rounds
-
-
-# ---------------------------------------------------------------------------------------------- predicted step time
-@dataclass(frozen=True)
-class Link:
-    """One boundary as the timing model sees it: the one-way delay and, per direction, the seconds a message holds
-    the link (its bytes over the bandwidth) and the codec work it adds on each end."""
-
-    delay_s: float = 0.0
-    fwd_s: float = 0.0  #: transfer of one forward message (activations), stage b to b + 1
-    bwd_s: float = 0.0  #: transfer of one backward message (gradients), stage b + 1 to b
-    fwd_codec_s: tuple[float, float] = (0.0, 0.0)  #: (sender, receiver) codec seconds of one forward message
-    bwd_codec_s: tuple[float, float] = (0.0, 0.0)
-
-
-def step_time(schedule: list[list[Action]], forward_s: list[float], backward_s: list[float],
-              links: list[Link]) -> float:
-    """Seconds one training step takes under ``schedule``, by the executor's model: a stage runs its actions in order,
-    each waiting for the message it receives; a send leaves when its action ends, waits while its link (one per
-    boundary and direction, first come first served) is busy with earlier messages, holds it for the transfer, and
-    arrives one delay later. ``forward_s[s]`` / ``backward_s[s]``: compute per micro-batch of stage ``s``;
-    ``links[b]``: boundary ``b`` (between stages ``b`` and ``b + 1``). The codec work of a message is added to the
-    action that sends it and to the one that receives it.
-
-    What it leaves out: the per-message work of gloo and TCP (beyond the bandwidth the probe measured, which
-    includes it), contention between ranks for the CPU, and TCP's congestion window. It is meant to rank settings
-    and schedules against each other, not to predict a step to the millisecond.
-    """
-    n = len(schedule)
-    if not (len(forward_s) == len(backward_s) == n and len(links) == n - 1):
-        raise ValueError(f"{n} stages need {n} forward and backward times and {n - 1} links, got "
-                         f"{len(forward_s)}, {len(backward_s)} and {len(links)}")
-    clock = [0.0] * n
-    link_free: dict[tuple[str, int], float] = {}  # (direction, boundary) -> when its link is free again
-    arrived: dict[Message, float] = {}
-    pc = [0] * n
-    while any(pc[s] < len(schedule[s]) for s in range(n)):
-        progressed = False
-        for s in range(n):
-            while pc[s] < len(schedule[s]):
-                a = schedule[s][pc[s]]
-                received, sent = _incoming(a, s, n), _outgoing(a, s, n)
-                if received is not None and received not in arrived:
-                    break
-                work = forward_s[s] if a.kind == "F" else backward_s[s]
-                ready = 0.0
-                if received is not None:
-                    ready = arrived[received]
-                    work += _codec_s(links, received)[1]
-                if sent is not None:
-                    sent = Message(*sent)
-                    work += _codec_s(links, sent)[0]
-                clock[s] = max(clock[s], ready) + work
-                if sent is not None:
-                    link, lane = links[min(sent.src, sent.dst)], (sent.direction, min(sent.src, sent.dst))
-                    leave = max(clock[s], link_free.get(lane, 0.0)) + (link.fwd_s if sent.direction == "fwd" else
-                                                                       link.bwd_s)
-                    link_free[lane] = leave
-                    arrived[sent] = leave + link.delay_s
-                pc[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("deadlock: the schedule cannot be timed")
-    return max(clock)
-
-
-def _codec_s(links: list[Link], m: Message) -> tuple[float, float]:
-    """(sender, receiver) codec seconds of message ``m`` on its boundary's link."""
-    link = links[min(m.src, m.dst)]
-    return link.fwd_codec_s if m.direction == "fwd" else link.bwd_codec_s

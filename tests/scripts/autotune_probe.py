@@ -17,7 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_clapping.autotune.tune import agree, describe, message_bytes, probe_boundaries
+from lightning_clapping.autotune.choose import describe
+from lightning_clapping.autotune.messages import message_bytes
+from lightning_clapping.autotune.probe import probe_boundaries
+from lightning_clapping.autotune.tune import agree
 
 SHAPE = (4, 128, 128)
 
