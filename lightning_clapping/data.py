@@ -162,8 +162,8 @@ class LazySamplingLoader(LazySampler):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(p={self.p}, seed={self.seed}, num_replicas={self.num_replicas}, "
-                f"replica_rank={self.replica_rank}, source={type(self.source).__name__}, step={self._step}, "
-                f"fresh_draws={self._fresh_total}, distinct_samples={self._distinct})")
+                f"replica_rank={self.replica_rank}, source={type(self.source).__name__}, step={self.step}, "
+                f"fresh_draws={self.fresh_draws}, distinct_samples={self.distinct_samples})")
 
 
 _PASS_THROUGH_IF_DEFINED = ("val_dataloader", "test_dataloader", "predict_dataloader", "transfer_batch_to_device",
