@@ -1,16 +1,10 @@
 """Lazy sampling for Clapping, as a Lightning data component.
 
-At every training step a lazy sampler draws a fresh mini-batch with probability ``p`` and otherwise hands out the
-previous mini-batch again, unchanged (same objects, so the micro-batch split and order stay the same). Every pipeline
-stage runs in its own process and builds the same wrapper with the same ``seed``; the decisions only depend on
-``(seed, step)``, so all stages agree on every decision without talking to each other.
-
-Public API: :class:`LazySamplingDataModule` (wraps a data module or a bare train loader), :class:`LazySamplingLoader`
-(the iterable Lightning trains on; ``batch_info(batch_idx)`` gives the :class:`BatchInfo` of the batch
-``training_step`` received with that ``batch_idx``) and :func:`find_lazy_loader` (the running loader of a ``Trainer``).
-This module holds all that talks to a ``Trainer`` (its private parts through ``_compat``); the engine, free of
-Lightning, is :mod:`lightning_clapping.lazy` (``sampler``: decisions, epochs, checkpoint state; ``source``: drawing from
-map-style and iterable sources and going back to a saved position).
+At every training step a fresh mini-batch is drawn with probability ``p``, otherwise the previous one is handed out
+again, unchanged. Each pipeline stage runs in its own process with the same ``seed``; decisions depend only on
+``(seed, step)``, so all stages agree without talking. Public: :class:`LazySamplingDataModule`,
+:class:`LazySamplingLoader`, :class:`BatchInfo`, :func:`find_lazy_loader`. This module holds all that talks to a
+``Trainer`` (its private parts through ``_compat``); the Lightning-free engine is :mod:`lightning_clapping.lazy`.
 """
 
 from __future__ import annotations
@@ -53,80 +47,66 @@ def _check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> 
     return float(p), int(seed), int(num_replicas), int(replica_rank)
 
 
+def _no_trainer() -> None:
+    return None
+
+
 class LazySamplingLoader(LazySampler):
     """Lazy-sampling view of a train loader: fresh batch with probability ``p``, else the previous batch again.
 
     Args:
-        source: what to draw fresh batches from: a ``torch.utils.data.DataLoader`` (map-style or iterable dataset)
-            or any iterable of batches (a list, a stream).
-        p: probability of drawing a fresh batch at a step, in (0, 1]. ``p = 1`` reproduces ``source`` exactly.
+        source: a ``torch.utils.data.DataLoader`` (map-style or iterable dataset) or any iterable of batches.
+        p: probability of a fresh batch at a step, in (0, 1]; ``p = 1`` reproduces ``source`` exactly.
         seed: seed of the decision stream; every pipeline stage must use the same one.
-        num_replicas, replica_rank: data-parallel replicas of the pipeline. With ``num_replicas > 1`` the indices of
-            a map-style ``source`` are sharded like ``DistributedSampler(shuffle=<source shuffles>, seed=seed)``
-            (padded so all replicas have the same number of batches); the decisions do not depend on the rank.
+        num_replicas, replica_rank: data-parallel replicas. With ``num_replicas > 1`` a map-style ``source`` is
+            sharded like ``DistributedSampler(shuffle=<source shuffles>, seed=seed)``; decisions ignore the rank.
 
-    Decisions: step t is fresh when it is the first step of an epoch (so r_0 = 1) or when ``u(seed, t) < p`` (a
-    counter-based SplitMix64 uniform: separate processes agree and runs repeat). A reused step yields the very same
-    objects as the step before, so the split, order and shapes never change inside a window (a ragged last batch
-    only appears at a fresh step). Do not modify a batch in place: the next step may get it again.
+    Step t is fresh when it opens an epoch (so r_0 = 1) or when ``u(seed, t) < p`` (counter-based, so processes agree).
+    A reused step yields the very same objects as the step before (split, order and shapes stay; a ragged last batch
+    only comes at a fresh step): do not modify a batch in place. An epoch is one pass of the source by fresh draws; it
+    ends at the first fresh decision that finds the source exhausted, which opens the next epoch. With a sized source
+    ``len()`` is the exact number of steps of the current (between epochs: the next) epoch; lengths vary, so a loader
+    bound to a fitting trainer updates the fit loop's batch count at each epoch's first step. An epoch that Lightning
+    stops early (``limit_train_batches``) is dropped at the next ``iter()``.
 
-    Epochs: an epoch is one pass of the wrapped loader by fresh draws. It ends at the first fresh decision that finds
-    the wrapped loader exhausted; that step opens the next epoch. So every batch of the wrapped loader is drawn once
-    per epoch and the last keeps its full reuse window. When the source has a length, ``len(loader)`` is the exact
-    number of steps of the current (between epochs: the next) epoch; it varies from epoch to epoch, so a loader bound
-    to a fitting trainer tells the fit loop each epoch's length at its first step. If Lightning stops an epoch early
-    (``limit_train_batches``), the next ``iter()`` starts a new pass.
+    ``batch_info(batch_idx)`` is the :class:`BatchInfo` of the batch ``training_step`` gets with that ``batch_idx``
+    (also with Lightning's prefetching, and after a resume). Sample ids of a map-style ``DataLoader`` are dataset
+    indices: the loader draws each epoch's index order when the epoch begins, as ``DataLoader.__iter__`` would, and
+    loads it with an inner DataLoader built like the wrapped one (whose own ``__iter__`` is bypassed; with workers the
+    batches are the same but the workers' seeds differ). For iterables they count the samples read, and a stream is
+    read only at fresh steps.
 
-    Metadata and sample ids: ``batch_info(batch_idx)`` is the :class:`BatchInfo` of the batch Lightning passes to
-    ``training_step`` with that ``batch_idx`` (also with its prefetching and after a resume). The loader's
-    ``step``/``distinct_samples`` are as of the latest batch *yielded*, which may be the prefetched one. For a map-style
-    ``DataLoader`` the sample ids are dataset indices: the lazy loader draws each epoch's index order when the epoch
-    begins (as ``DataLoader.__iter__`` would) and feeds it to an inner DataLoader with the wrapped one's dataset,
-    collate_fn, workers and pinning (its own ``__iter__`` is bypassed; with workers the batches are the same but the
-    workers' seeds, so random augmentation, differ). For iterables the ids count the samples read (first dimension of
-    the batch; ``None`` without tensors); a stream is read only at fresh steps, and no batch but the current is kept.
-
-    Resume: ``state_dict``/``load_state_dict`` are stored by Lightning with the fit loop (and by
-    :class:`LazySamplingDataModule` in its own state, which Lightning restores before it reads the loader's length),
-    so a run resumed with ``ckpt_path=`` mid-epoch, even mid-window, repeats the uninterrupted one. The state is taken
-    at the batch the bound trainer has consumed (``find_lazy_loader`` and the data module bind it; a bare loader
-    passed to ``Trainer.fit`` needs ``loader.bind_trainer(trainer)`` before ``fit``). It holds counters, the epoch
-    position, the batch to reuse (when it holds only tensors/numbers/strings in lists/tuples/dicts; else it is rebuilt
-    from its indices or by re-reading an iterable) and the RNG states the epoch's order was drawn from. A map-style
-    loader needs an index order that depends only on torch generators: pass a seeded ``generator=`` to also repeat
-    the epochs after the resumed one (the global RNG is not restored). Iterables with ``state_dict``/
-    ``load_state_dict`` are restored through them, others re-read up to the position. Warnings say when a resume
-    cannot be exact.
+    Resume: Lightning stores ``state_dict()`` with the fit loop, and :class:`LazySamplingDataModule` keeps a copy, so a
+    run resumed with ``ckpt_path=`` mid-epoch, even mid-window, repeats the uninterrupted one. The state is taken at
+    the batch the bound trainer has consumed (the data module binds it; a bare loader given to ``Trainer.fit`` needs
+    ``bind_trainer(trainer)`` first) and holds counters, the position, the batch to reuse (if it holds only tensors,
+    numbers and strings in lists/tuples/dicts; else it is rebuilt from its indices or by re-reading an iterable) and
+    the RNG states the epoch's order was drawn from. Pass a seeded ``generator=`` to the DataLoader to repeat later
+    epochs too (the global RNG is not restored). Iterables with ``state_dict``/``load_state_dict`` are restored through
+    them, others re-read. Warnings say when a resume cannot be exact.
     """
 
-    def __init__(
-        self, source: Iterable, p: float = 0.5, seed: int = 0, num_replicas: int = 1, replica_rank: int = 0
-    ) -> None:
+    def __init__(self, source: Iterable, p: float = 0.5, seed: int = 0, num_replicas: int = 1,
+                 replica_rank: int = 0) -> None:
         settings = _check_settings(p, seed, num_replicas, replica_rank)
         if isinstance(source, LazySamplingLoader):
             raise ValueError("source is already a LazySamplingLoader; wrap the underlying loader instead.")
         if not isinstance(source, Iterable):
             raise TypeError(f"source must be an iterable of batches (e.g. a DataLoader), got {type(source).__name__}.")
         super().__init__(source, *settings)
-        self._trainer_ref: Optional[Callable[[], Any]] = None
+        self._trainer_ref: Callable[[], Any] = _no_trainer
         self._warned_sync = False
 
     def bind_trainer(self, trainer: Any) -> None:
-        """Link the loader to the trainer that trains on it (held weakly; done by LazySamplingDataModule).
-
-        The loader then checkpoints the batch the trainer has consumed (Lightning fetches ahead), maps Lightning's
-        ``batch_idx`` after a resume, and tells the fit loop the length of each epoch. Call it before ``fit``.
-        """
+        """Link the loader (weakly) to the trainer that trains on it, before ``fit``: it then checkpoints the batch the
+        trainer has consumed, maps its ``batch_idx`` after a resume and tells it each epoch's length."""
         try:
-            self._trainer_ref = None if trainer is None else weakref.ref(trainer)
+            self._trainer_ref = weakref.ref(trainer) if trainer is not None else _no_trainer
         except TypeError:  # objects without weakref support (test doubles)
             self._trainer_ref = lambda: trainer
 
-    def _bound_trainer(self) -> Any:
-        return self._trainer_ref() if self._trainer_ref is not None else None
-
     def _fitting_trainer(self) -> Any:
-        trainer = self._bound_trainer()
+        trainer = self._trainer_ref()
         return trainer if trainer is not None and getattr(trainer.state, "fn", None) == "fit" else None
 
     def _trainer_ready(self) -> Optional[int]:
@@ -137,28 +117,26 @@ class LazySamplingLoader(LazySampler):
             return None
 
     def _sync_trainer_length(self, length: int) -> None:
-        """Lightning reads a train loader's length once and keeps it; lazy epochs differ. So at the first step of
-        each epoch the fit loop's batch count is updated (and a fraction-based ``val_check_batch``), unless
-        ``limit_train_batches`` is set or the loader is combined with others."""
+        """Lightning reads a train loader's length once and keeps it: set the fit loop's batch count (and a fraction's
+        ``val_check_batch``) to this epoch's, unless ``limit_train_batches`` is set or loaders are combined."""
         try:
             trainer = self._fitting_trainer()
-            if trainer is None or not (isinstance(trainer.limit_train_batches, float)
-                                       and trainer.limit_train_batches == 1.0):
+            limit = None if trainer is None else trainer.limit_train_batches
+            if not (isinstance(limit, float) and limit == 1.0):
                 return
             combined = _compat.fit_combined_loader(trainer)
-            if combined is None or len(combined.flattened) != 1 or _search(combined.flattened[0]) is not self:
-                return
-            if _compat.set_train_epoch_length(trainer, length):
-                _compat.rescale_val_check_batch(trainer, length)
+            if combined is not None and len(combined.flattened) == 1 and _search(combined.flattened[0]) is self:
+                if _compat.set_train_epoch_length(trainer, length):
+                    _compat.rescale_val_check_batch(trainer, length)
         except Exception as err:  # pragma: no cover - only on an incompatible Lightning
             if not self._warned_sync:
                 self._warned_sync = True
-                rank_zero_warn(
-                    f"LazySamplingLoader: could not update Lightning's epoch length ({err!r}); epochs longer than the "
-                    "first may be cut short. Set Trainer(reload_dataloaders_every_n_epochs=1) as a workaround.")
+                rank_zero_warn(f"LazySamplingLoader: could not update Lightning's epoch length ({err!r}); epochs "
+                               "longer than the first may be cut short. Trainer(reload_dataloaders_every_n_epochs=1) "
+                               "works around it.")
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_trainer_ref": None}
+        return {**self.__dict__, "_trainer_ref": _no_trainer}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(p={self.p}, seed={self.seed}, num_replicas={self.num_replicas}, "
@@ -166,26 +144,23 @@ class LazySamplingLoader(LazySampler):
                 f"fresh_draws={self.fresh_draws}, distinct_samples={self.distinct_samples})")
 
 
-_PASS_THROUGH_IF_DEFINED = ("val_dataloader", "test_dataloader", "predict_dataloader", "transfer_batch_to_device",
-                            "on_before_batch_transfer", "on_after_batch_transfer")
+# Hooks of the wrapped module that stay undefined here unless it defines them.
+_PASS_THROUGH_IF_DEFINED = ("prepare_data", "teardown", "on_exception", "val_dataloader", "test_dataloader",
+                            "predict_dataloader", "transfer_batch_to_device", "on_before_batch_transfer",
+                            "on_after_batch_transfer")
 
 
 class LazySamplingDataModule(LightningDataModule):
     """Lazy sampling around an existing ``LightningDataModule`` (or a bare train DataLoader / iterable).
 
-    Args:
-        datamodule_or_train_dataloader: the data module to wrap, or the train loader itself.
-        p: probability of a fresh mini-batch at each training step, in (0, 1]; ``p = 1`` is exactly the wrapped module.
-        seed: seed of the decision stream, the same on every pipeline stage.
-        num_replicas, replica_rank: data-parallel pipeline replicas; see :class:`LazySamplingLoader`.
-
-    ``train_dataloader()`` returns a :class:`LazySamplingLoader` over the wrapped ``train_dataloader()`` (created once
-    and reused; if you asked Lightning to reload dataloaders, the wrapped module's new loader is used from the next
-    epoch on), bound (weakly) to the trainer. ``val/test/predict_dataloader``, the batch-transfer hooks,
-    ``prepare_data``, ``setup``, ``teardown``, ``state_dict``/``load_state_dict`` and ``on_exception`` go to the wrapped
-    module; hooks it does not define stay undefined here. Unknown attributes are looked up on the wrapped module. The
-    loader's position is also kept in this module's ``state_dict``, because Lightning restores data modules before it
-    reads the train loader's length, and the fit loop's copy of the loader state only after that.
+    ``p``, ``seed``, ``num_replicas`` and ``replica_rank`` are those of :class:`LazySamplingLoader`; ``p = 1`` is
+    exactly the wrapped module. ``train_dataloader()`` returns a :class:`LazySamplingLoader` over the wrapped
+    ``train_dataloader()``, created once (with ``reload_dataloaders_every_n_epochs`` the wrapped module's new loader is
+    used from the next epoch on) and bound to the trainer. ``setup``, ``state_dict``/``load_state_dict`` and the hooks
+    the wrapped module defines (``prepare_data``, ``teardown``, ``on_exception``, ``val/test/predict_dataloader``, the
+    batch-transfer hooks) go to it; unknown attributes are looked up on it. The loader's state is also kept in this
+    module's ``state_dict``: Lightning restores data modules before it reads the train loader's length, and the fit
+    loop's copy of the loader state only after that.
     """
 
     def __init__(self, datamodule_or_train_dataloader: Any, p: float = 0.5, seed: int = 0, num_replicas: int = 1,
@@ -195,21 +170,18 @@ class LazySamplingDataModule(LightningDataModule):
         wrapped = datamodule_or_train_dataloader
         if isinstance(wrapped, LazySamplingDataModule):
             raise ValueError("The data module is already a LazySamplingDataModule; wrap the inner one instead.")
-        self._wrapped: Optional[LightningDataModule] = None
-        self._train_source: Optional[Iterable] = None
-        if isinstance(wrapped, LightningDataModule):
-            self._wrapped = wrapped
+        if not isinstance(wrapped, (LightningDataModule, Iterable)):
+            raise TypeError("LazySamplingDataModule wraps a LightningDataModule or a train DataLoader/iterable, got "
+                            f"{type(wrapped).__name__}.")
+        self._wrapped = wrapped if isinstance(wrapped, LightningDataModule) else None
+        self._train_source = None if self._wrapped is not None else wrapped
+        if self._wrapped is not None:
             self.prepare_data_per_node = wrapped.prepare_data_per_node
             self.allow_zero_length_dataloader_with_multiple_devices = (
                 wrapped.allow_zero_length_dataloader_with_multiple_devices)
             for name in _PASS_THROUGH_IF_DEFINED:
                 if is_overridden(name, wrapped, LightningDataModule):
                     setattr(self, name, getattr(wrapped, name))
-        elif isinstance(wrapped, Iterable):
-            self._train_source = wrapped
-        else:
-            raise TypeError("LazySamplingDataModule wraps a LightningDataModule or a train DataLoader/iterable, got "
-                            f"{type(wrapped).__name__}.")
         self._loader: Optional[LazySamplingLoader] = None
         self._pending_loader_state: Optional[dict] = None
         self._user_reloads: Optional[bool] = None
@@ -235,22 +207,10 @@ class LazySamplingDataModule(LightningDataModule):
         if self._wrapped is not None and self.trainer is not None:
             self._wrapped.trainer = self.trainer
 
-    def prepare_data(self) -> None:
-        if self._wrapped is not None:
-            self._wrapped.prepare_data()
-
     def setup(self, stage: str) -> None:
         self._share_trainer()
         if self._wrapped is not None:
             self._wrapped.setup(stage)
-
-    def teardown(self, stage: str) -> None:
-        if self._wrapped is not None:
-            self._wrapped.teardown(stage)
-
-    def on_exception(self, exception: BaseException) -> None:
-        if self._wrapped is not None:
-            self._wrapped.on_exception(exception)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"wrapped": self._wrapped.state_dict() if self._wrapped is not None else {}}
@@ -261,17 +221,14 @@ class LazySamplingDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._wrapped is not None:
             self._wrapped.load_state_dict(state_dict.get("wrapped", {}))
-        # Applied now, len() of the resumed epoch is right; the fit loop loads the same state again later.
-        loader_state = state_dict.get("lazy_loader")
-        if loader_state is not None and self._loader is not None:
-            self._loader.load_state_dict(loader_state)
-        elif loader_state is not None:
-            self._pending_loader_state = loader_state
+        self._pending_loader_state = state_dict.get("lazy_loader")  # applied now, len() of the resumed epoch is right
+        if self._loader is not None and self._pending_loader_state is not None:
+            self._loader.load_state_dict(self._pending_loader_state)
+            self._pending_loader_state = None
 
     def _wrapped_train_loader(self) -> Iterable:
         if self._wrapped is None:
-            assert self._train_source is not None
-            return self._train_source
+            return self._train_source  # type: ignore[return-value]
         self._share_trainer()
         return self._wrapped.train_dataloader()
 
@@ -292,8 +249,8 @@ class LazySamplingDataModule(LightningDataModule):
         return self._loader
 
     def __repr__(self) -> str:
-        inner = type(self._wrapped).__name__ if self._wrapped is not None else type(self._train_source).__name__
-        return f"{type(self).__name__}({inner}, p={self.p}, seed={self.seed})"
+        inner = self._wrapped if self._wrapped is not None else self._train_source
+        return f"{type(self).__name__}({type(inner).__name__}, p={self.p}, seed={self.seed})"
 
     __str__ = __repr__
 
@@ -305,21 +262,17 @@ def _search(obj: Any, depth: int = 0) -> Optional[LazySamplingLoader]:
         return None
     if isinstance(obj, CombinedLoader):
         children: Iterable = obj.flattened
-    elif isinstance(obj, Mapping):
-        children = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        children = obj
+    elif isinstance(obj, (Mapping, list, tuple)):
+        children = obj.values() if isinstance(obj, Mapping) else obj
     else:  # a strategy may wrap the loader in its own object
         children = _compat.loader_wrapper_children(obj)
     return next((found for child in children if (found := _search(child, depth + 1)) is not None), None)
 
 
 def find_lazy_loader(trainer: Any) -> Optional[LazySamplingLoader]:
-    """The :class:`LazySamplingLoader` the trainer trains on, or ``None``.
-
-    Looks at ``trainer.train_dataloader`` (the loader itself, or inside a list/dict/CombinedLoader), then at
-    ``trainer.datamodule`` when it is a :class:`LazySamplingDataModule`. The loader found is bound to the trainer so
-    that its checkpoints account for Lightning's prefetching.
+    """The :class:`LazySamplingLoader` the trainer trains on, or ``None``: in ``trainer.train_dataloader`` (itself or
+    inside a list/dict/CombinedLoader), the fit loop's loader, or ``trainer.datamodule`` when it is a
+    :class:`LazySamplingDataModule`. It is bound to the trainer, so its checkpoints account for Lightning's prefetching.
     """
     try:
         found = _search(getattr(trainer, "train_dataloader", None))
@@ -332,6 +285,6 @@ def find_lazy_loader(trainer: Any) -> Optional[LazySamplingLoader]:
             found = None
     if found is None and isinstance(getattr(trainer, "datamodule", None), LazySamplingDataModule):
         found = trainer.datamodule.loader
-    if found is not None and found._bound_trainer() is not trainer:
+    if found is not None and found._trainer_ref() is not trainer:
         found.bind_trainer(trainer)
     return found

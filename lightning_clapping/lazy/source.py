@@ -1,9 +1,9 @@
 """Where the lazy loader's fresh batches come from, and how a source gets back to a saved position.
 
 :class:`MapSource` (a ``DataLoader`` over a map-style dataset with a sized sampler) draws each pass's index order
-itself, as ``DataLoader.__iter__`` would, and feeds it to an inner DataLoader built like the wrapped one: the batches
-are the same and their dataset indices are known; a resume redraws the order from the RNG states it was drawn from.
-:class:`IterSource` (any other iterable) pulls batches one at a time; a resume goes through the iterable's own
+itself, as ``DataLoader.__iter__`` would, and loads it with an inner DataLoader built like the wrapped one: the
+batches are the same and their dataset indices are known; a resume redraws the order from the RNG states it was drawn
+from. :class:`IterSource` (any other iterable) pulls batches one at a time; a resume goes through the iterable's own
 ``state_dict``/``load_state_dict`` or re-reads it. Both give a pass's k-th batch by ``draw(k, samples_seen)``.
 """
 
@@ -61,46 +61,38 @@ class MapSource:
     kind = "map"
 
     def __init__(self, loader: DataLoader, num_replicas: int, replica_rank: int, seed: int) -> None:
-        self.wrapped, self.auto_collation = loader, loader.batch_sampler is not None
+        self.wrapped, self.auto_collation, sampler = loader, loader.batch_sampler is not None, loader.sampler
         self.base_drawn = False  # with persistent workers a DataLoader draws its workers' base seed only once
         self.order: Optional[list] = None  # the running pass's index batches (indices without auto-collation)
         self._entry: dict = {}
         self._feed, self._inner, self._iter, self._warned_global_rng = _Feed(), None, None, False
-        self._sharded: Optional[BatchSampler] = None
-        if num_replicas > 1:
-            if loader.batch_size is None or not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        self._indices = loader.batch_sampler if self.auto_collation else sampler
+        self._sharded = num_replicas > 1
+        if self._sharded:
+            if loader.batch_size is None or not isinstance(sampler, (RandomSampler, SequentialSampler)):
                 raise ValueError(
                     "num_replicas > 1 shards a DataLoader built with batch_size, shuffle and drop_last (a RandomSampler "
-                    f"or SequentialSampler), got sampler={type(loader.sampler).__name__}, batch_size="
-                    f"{loader.batch_size}. Shard the data yourself and keep num_replicas=1.")
+                    f"or SequentialSampler), got sampler={type(sampler).__name__}, batch_size={loader.batch_size}. "
+                    "Shard the data yourself and keep num_replicas=1.")
             shards = DistributedSampler(loader.dataset, num_replicas, replica_rank, seed=seed, drop_last=False,
-                                        shuffle=isinstance(loader.sampler, RandomSampler))
-            self._sharded = BatchSampler(shards, loader.batch_size, loader.drop_last)
-
-    def _index_sampler(self) -> Any:
-        if self._sharded is not None:
-            return self._sharded
-        return self.wrapped.batch_sampler if self.auto_collation else self.wrapped.sampler
+                                        shuffle=isinstance(sampler, RandomSampler))
+            self._indices = BatchSampler(shards, loader.batch_size, loader.drop_last)
+        self._global_shuffle = not self._sharded and isinstance(sampler, RandomSampler) and sampler.generator is None
+        found = (loader.generator, getattr(sampler, "generator", None),
+                 getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None))
+        self._generators = list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
     def num_batches(self) -> Optional[int]:
-        return len(self.order) if self.order is not None else sized_len(self._index_sampler())
-
-    def _generators(self) -> list:
-        loader = self.wrapped
-        found = (loader.generator, getattr(loader.sampler, "generator", None),
-                 getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None))
-        return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
+        return len(self.order) if self.order is not None else sized_len(self._indices)
 
     def generators(self) -> Optional[dict]:
         """The RNG states the next order is drawn from (None when sharded: then it is a function of seed and epoch)."""
-        if self._sharded is not None:
-            return None
-        return {"global": torch.get_rng_state(), "gens": [g.get_state() for g in self._generators()]}
+        return None if self._sharded else {"global": torch.get_rng_state(),
+                                           "gens": [g.get_state() for g in self._generators]}
 
     def _set_generators(self, saved: Optional[dict]) -> None:
-        gens = self._generators()
-        if saved and len(gens) == len(saved["gens"]):
-            for generator, state in zip(gens, saved["gens"]):
+        if saved and len(self._generators) == len(saved["gens"]):
+            for generator, state in zip(self._generators, saved["gens"]):
                 generator.set_state(state)
 
     def begin(self, epoch: int) -> None:
@@ -108,18 +100,18 @@ class MapSource:
         self._draw_order(epoch, self.generators(), drew_base=not (persistent and self.base_drawn))
 
     def _draw_order(self, epoch: int, order_rng: Optional[dict], drew_base: bool) -> None:
-        loader = self.wrapped
-        if self._sharded is not None:
-            self._sharded.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-            order, base_seed = [list(b) for b in self._sharded], (epoch * 0x9E3779B1 + 12345) & _SEED_MASK
+        if self._sharded:
+            self._indices.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            order, base_seed = [list(b) for b in self._indices], (epoch * 0x9E3779B1 + 12345) & _SEED_MASK
         else:
-            samplers = (loader.sampler, getattr(loader.batch_sampler, "sampler", None))
+            samplers = (self.wrapped.sampler, getattr(self.wrapped.batch_sampler, "sampler", None))
             for sampler in {id(s): s for s in samplers if callable(getattr(s, "set_epoch", None))}.values():
                 sampler.set_epoch(epoch)  # what Lightning does for a train DataLoader it owns
-            indices = iter(self._index_sampler())
+            indices = iter(self._indices)
             # DataLoader.__iter__ draws its workers' base seed right after creating the sampler iterator (before the
             # sampler runs): doing the same keeps the shuffle identical to iterating the wrapped loader.
-            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator)) if drew_base else 0
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.wrapped.generator)) \
+                if drew_base else 0
             order = [list(b) if self.auto_collation else int(b) for b in indices]
         self.base_drawn = self.base_drawn or drew_base
         self.order, self._base_seed, self._iter = order, base_seed, None
@@ -131,9 +123,9 @@ class MapSource:
 
     def restore(self, epoch: int, state: dict, need_batch: bool) -> Any:
         """At load: set the generators, or redraw the order of the pass to go on with from its RNG states (warns when
-        it differs, and when later passes shuffle with the global RNG, which is not restored); then :meth:`draw`
-        goes on after the pass's fresh draws. Returns the batch to reuse, rebuilt from its indices, when asked."""
-        if self.uses_global_rng() and not self._warned_global_rng:
+        it differs, and when later passes shuffle with the global RNG, which is not restored); :meth:`draw` then
+        goes on after its fresh draws. Returns the batch to reuse, rebuilt from its indices, when asked."""
+        if self._global_shuffle and not self._warned_global_rng:
             self._warned_global_rng = True
             warnings.warn("LazySamplingLoader: the DataLoader shuffles with the global torch RNG, which checkpoints do "
                           "not restore: later epochs will not repeat an uninterrupted run. Pass generator="
@@ -161,10 +153,6 @@ class MapSource:
             return collate(dataset[idx[0]])
         getitems = getattr(dataset, "__getitems__", None)
         return collate(getitems(idx) if callable(getitems) else [dataset[i] for i in idx])
-
-    def uses_global_rng(self) -> bool:
-        sampler = self.wrapped.sampler
-        return self._sharded is None and isinstance(sampler, RandomSampler) and sampler.generator is None
 
     def draw(self, k: int, samples_seen: int) -> tuple[Any, Tensor, int, None]:
         assert self.order is not None
@@ -204,7 +192,8 @@ def _leading_dim(batch: Any) -> Optional[int]:
 
 
 class IterSource:
-    """Any other iterable; its sample ids are a running count of the samples read (first dimension of a batch)."""
+    """Any other iterable; its sample ids are a running count of the samples read (first dimension of a batch). It
+    has no order to draw and no RNG states to keep."""
 
     kind, base_drawn = "iterable", False
 
@@ -224,6 +213,9 @@ class IterSource:
     def begin(self, epoch: int) -> None:
         self._iter = None
 
+    def end(self) -> None:
+        self._iter = None
+
     def draw(self, k: int, samples_seen: int) -> tuple[Any, Optional[Tensor], int, Any]:
         if self._iter is None:
             self._iter = iter(self.wrapped)
@@ -237,11 +229,11 @@ class IterSource:
         entry, self._iter = state.get("epoch"), None
         if entry is None:
             return None
-        k = int(entry["fresh"])
         if self.stateful and entry.get("wrapped_state") is not None:
             self.wrapped.load_state_dict(entry["wrapped_state"])  # type: ignore[attr-defined]
             self._iter = iter(self.wrapped)
             return None
+        k = int(entry["fresh"])
         if k > 0 and not isinstance(self.wrapped, (list, tuple)) and not self._warned_replay:
             self._warned_replay = True
             warnings.warn(f"LazySamplingLoader: resuming an iterable by reading its first {k} batch(es) again: exact "
@@ -251,6 +243,3 @@ class IterSource:
         for _ in range(k):
             last = next(self._iter)
         return last if need_batch else None
-
-    def end(self) -> None:
-        self._iter = None
