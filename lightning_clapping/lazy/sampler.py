@@ -20,7 +20,8 @@ from torch import Tensor
 
 from lightning_clapping.lazy.source import make_source
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_STATE_KEYS = ("step", "fresh_total", "distinct", "pos", "fresh", "ids", "batch", "wrapped_state")
 INFO_WINDOW = 16  # batches ``batch_info`` still answers for (Lightning looks at most one batch back)
 _MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
@@ -155,7 +156,7 @@ class LazySampler:
     def _leave_epoch(self) -> None:
         """Forget the running or restored epoch and close the pass (the infos stay for its last batches)."""
         self._source.end()
-        self._running = self._open = self._has_batch = False
+        self._running = self._open = False
         self._pos = self._fresh = 0  # batches yielded and fresh draws in the epoch
         self._batch = self._ids = self._wrapped_state = None
         self._states.clear()
@@ -189,7 +190,7 @@ class LazySampler:
                 self._open = True
             self._begin()
         t = self.step
-        fresh = self._pos == 0 or not self._has_batch or self._decisions.fresh(t)
+        fresh = self._pos == 0 or self._batch is None or self._decisions.fresh(t)
         if fresh:
             n = self._source.num_batches()
             try:
@@ -200,7 +201,7 @@ class LazySampler:
             except StopIteration:
                 self._end_epoch()
                 raise
-            self._has_batch, self._fresh = True, self._fresh + 1
+            self._fresh += 1
             self.fresh_draws, self.distinct_samples = self.fresh_draws + 1, self.distinct_samples + count
         self._infos[self._offset + self._pos] = BatchInfo(fresh, self.fresh_draws - 1, self._ids,
                                                           self.distinct_samples, t)
@@ -225,7 +226,7 @@ class LazySampler:
 
     def _remember_state(self) -> None:
         """Keep what a checkpoint right after the latest yield needs, under the batch_idx of the batch after it."""
-        reused_next = self._has_batch and not self._decisions.fresh(self.step)
+        reused_next = self._batch is not None and not self._decisions.fresh(self.step)
         self._states[self._offset + self._pos] = (self.step, self.fresh_draws, self.distinct_samples, self._pos,
                                                   self._fresh, self._ids, self._batch if reused_next else None,
                                                   self._wrapped_state)
@@ -238,56 +239,39 @@ class LazySampler:
         return {"p": self.p, "seed": self.seed, "num_replicas": self.num_replicas, "replica_rank": self.replica_rank,
                 "source_kind": self._source.kind}
 
-    def _state(self, counters: tuple, next_epoch: int, generators: Any, epoch: Optional[dict] = None) -> dict:
-        return {"version": _STATE_VERSION, **self._settings(), **dict(zip(("step", "fresh_total", "distinct"),
-                counters)), "next_epoch": next_epoch, "epoch": epoch, "generators": generators,
-                "base_drawn": self._source.base_drawn}
-
     def state_dict(self) -> dict:
-        """All it takes to go on exactly after the batch the trainer consumed last (without one: the latest yielded).
-
-        ``epoch`` is None between epochs (``generators``: the RNG states the next one draws its order from), else
-        the epoch to go on with: its position, the batch to reuse, the RNG states its order was drawn from.
-        """
-        if not self._running and not self._pos:
-            return self._state((self.step, self.fresh_draws, self.distinct_samples), self._epoch,
-                               self._source.generators())
-        state = self._states.get(self._trainer_ready()) or next(reversed(self._states.values()))  # type: ignore
-        step, _, _, pos, fresh, ids, batch, wrapped_state = state
-        source = self._source.entry()
-        if pos == 0:  # begun, nothing yielded: a resume begins the epoch again from the same RNG states
-            return self._state(state[:3], self._epoch, source["order_rng"])
-        has_batch = batch is not None and _is_plain(batch)
-        return self._state(state[:3], self._epoch + 1, None, {
-            "index": self._epoch, "start": step - pos, "num_batches": self._source.num_batches(),
-            "total": self._epoch_length(), "pos": pos, "fresh": fresh, "ids": ids, "has_batch": has_batch,
-            "batch": batch if has_batch else None, "wrapped_state": wrapped_state, **source})
+        """All it takes to go on exactly after the batch the trainer consumed last (without one: the latest yielded):
+        counters, the epoch and position in it (0: begin it), the batch to reuse (when plain, else None: rebuilt on
+        load) and what the source needs (the RNG states the epoch's order is drawn from, an iterable's state)."""
+        if self._running or self._pos:
+            state = self._states.get(self._trainer_ready()) or next(reversed(self._states.values()))  # type: ignore
+        else:
+            state = (self.step, self.fresh_draws, self.distinct_samples, 0, 0, None, None, None)
+        saved = dict(zip(_STATE_KEYS, state), version=_STATE_VERSION, epoch=self._epoch, **self._settings(),
+                     **self._source.checkpoint())
+        saved["batch"] = saved["batch"] if _is_plain(saved["batch"]) else None
+        return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Go on from a ``state_dict``: the source is put back now, the next ``iter()`` resumes at the saved batch."""
         state = dict(state_dict)
-        if int(state.get("version", -1)) != _STATE_VERSION:
+        if state.get("version") != _STATE_VERSION:
             raise ValueError(f"LazySamplingLoader: unsupported state version {state.get('version')!r}.")
         for key, value in self._settings().items():
             if state.get(key) != value:
                 warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
                               f"loader has {key}={value!r}; the resumed run will not repeat the uninterrupted one.")
         self._leave_epoch()
-        self.step, self.fresh_draws, self.distinct_samples = (int(state[k]) for k in ("step", "fresh_total", "distinct"))
-        self._epoch, entry = int(state["next_epoch"]), state.get("epoch")
-        self._source.base_drawn = bool(state.get("base_drawn", False))
-        if entry is not None:
-            self._epoch, self._pos, self._fresh = int(entry["index"]), int(entry["pos"]), int(entry["fresh"])
-            self._ids, self._wrapped_state = entry["ids"], entry.get("wrapped_state")
-        need_batch = entry is not None and not entry["has_batch"] and not self._decisions.fresh(self.step)
+        self.step, self.fresh_draws, self.distinct_samples, self._pos, self._fresh = (
+            int(state[key]) for key in _STATE_KEYS[:5])
+        self._epoch, self._ids, self._wrapped_state = int(state["epoch"]), state["ids"], state["wrapped_state"]
+        need_batch = self._pos > 0 and state["batch"] is None and not self._decisions.fresh(self.step)
         rebuilt = self._source.restore(self._epoch, state, need_batch)
-        if entry is None:
-            return
-        self._batch = entry["batch"] if entry["has_batch"] else rebuilt
-        self._has_batch = bool(entry["has_batch"]) or rebuilt is not None
+        self._batch = rebuilt if state["batch"] is None else state["batch"]
         if need_batch and rebuilt is None:
             warnings.warn("LazySamplingLoader: exact resume is impossible: the checkpoint does not hold the batch to "
                           "reuse and it cannot be rebuilt (keep batches to tensors, numbers and strings in lists, "
                           "tuples and dicts, or use a map-style DataLoader); a fresh batch is drawn instead.",
                           RuntimeWarning)
-        self._remember_state()
+        if self._pos:
+            self._remember_state()

@@ -85,8 +85,8 @@ class MapSource:
     def num_batches(self) -> Optional[int]:
         return len(self.order) if self.order is not None else sized_len(self._indices)
 
-    def generators(self) -> Optional[dict]:
-        """The RNG states the next order is drawn from (None when sharded: then it is a function of seed and epoch)."""
+    def _rng_states(self) -> Optional[dict]:
+        """The RNG states an order is drawn from now (None when sharded: then it is a function of seed and epoch)."""
         return None if self._sharded else {"global": torch.get_rng_state(),
                                            "gens": [g.get_state() for g in self._generators]}
 
@@ -97,7 +97,7 @@ class MapSource:
 
     def begin(self, epoch: int) -> None:
         persistent = self.wrapped.num_workers > 0 and self.wrapped.persistent_workers
-        self._draw_order(epoch, self.generators(), drew_base=not (persistent and self.base_drawn))
+        self._draw_order(epoch, self._rng_states(), drew_base=not (persistent and self.base_drawn))
 
     def _draw_order(self, epoch: int, order_rng: Optional[dict], drew_base: bool) -> None:
         if self._sharded:
@@ -117,9 +117,10 @@ class MapSource:
         self.order, self._base_seed, self._iter = order, base_seed, None
         self._entry = {"order_rng": order_rng, "fingerprint": _fingerprint(order), "drew_base": drew_base}
 
-    def entry(self) -> dict:
-        """What a checkpoint of the running pass keeps to redraw its order."""
-        return self._entry
+    def checkpoint(self) -> dict:
+        """What a checkpoint keeps: the RNG states the running (else the next) pass's order is drawn from."""
+        entry = self._entry if self.order is not None else {"order_rng": self._rng_states()}
+        return {**entry, "base_drawn": self.base_drawn}
 
     def restore(self, epoch: int, state: dict, need_batch: bool) -> Any:
         """At load: set the generators, or redraw the order of the pass to go on with from its RNG states (warns when
@@ -130,25 +131,25 @@ class MapSource:
             warnings.warn("LazySamplingLoader: the DataLoader shuffles with the global torch RNG, which checkpoints do "
                           "not restore: later epochs will not repeat an uninterrupted run. Pass generator="
                           "torch.Generator().manual_seed(s) to the DataLoader for fully exact resumes.", stacklevel=3)
-        entry = state.get("epoch")
-        if entry is None:
-            return self._set_generators(state.get("generators"))
-        order_rng, global_before = entry.get("order_rng"), torch.get_rng_state()
+        self.base_drawn, order_rng = bool(state["base_drawn"]), state["order_rng"]
+        if state["pos"] == 0:
+            return self._set_generators(order_rng)
+        global_before = torch.get_rng_state()
         try:
             if order_rng is not None:
                 torch.set_rng_state(order_rng["global"])
                 self._set_generators(order_rng)
-            self._draw_order(epoch, order_rng, bool(entry.get("drew_base", True)))
+            self._draw_order(epoch, order_rng, bool(state["drew_base"]))
         finally:
             torch.set_rng_state(global_before)  # the trainer's global RNG is not part of the data state
-        if entry.get("fingerprint") not in (None, self._entry["fingerprint"]):
+        if state["fingerprint"] != self._entry["fingerprint"]:
             warnings.warn(f"LazySamplingLoader: exact resume is impossible: the DataLoader's sample order of epoch "
                           f"{epoch} could not be redrawn from the checkpoint, so the rest of it differs from the "
                           "uninterrupted run. Exact resume needs an index order that depends only on torch generators "
                           "(e.g. shuffle=True with generator=torch.Generator().manual_seed(s)).", RuntimeWarning, 3)
-        if not need_batch or entry["ids"] is None:
+        if not need_batch or state["ids"] is None:
             return None
-        idx, dataset, collate = [int(i) for i in entry["ids"].tolist()], self.wrapped.dataset, self.wrapped.collate_fn
+        idx, dataset, collate = [int(i) for i in state["ids"].tolist()], self.wrapped.dataset, self.wrapped.collate_fn
         if not self.auto_collation:
             return collate(dataset[idx[0]])
         getitems = getattr(dataset, "__getitems__", None)
@@ -195,7 +196,7 @@ class IterSource:
     """Any other iterable; its sample ids are a running count of the samples read (first dimension of a batch). It
     has no order to draw and no RNG states to keep."""
 
-    kind, base_drawn = "iterable", False
+    kind = "iterable"
 
     def __init__(self, iterable: Iterable) -> None:
         self.wrapped, self._iter, self._warned_replay = iterable, None, False
@@ -204,11 +205,8 @@ class IterSource:
     def num_batches(self) -> Optional[int]:
         return sized_len(self.wrapped)
 
-    def generators(self) -> None:
-        return None
-
-    def entry(self) -> dict:
-        return {"order_rng": None, "fingerprint": None, "drew_base": False}
+    def checkpoint(self) -> dict:
+        return {}
 
     def begin(self, epoch: int) -> None:
         self._iter = None
@@ -226,14 +224,13 @@ class IterSource:
 
     def restore(self, epoch: int, state: dict, need_batch: bool) -> Any:
         """At load: a new pass after the saved one's fresh draws; returns the last of them when asked and possible."""
-        entry, self._iter = state.get("epoch"), None
-        if entry is None:
+        self._iter, k = None, int(state["fresh"])
+        if state["pos"] == 0:
             return None
-        if self.stateful and entry.get("wrapped_state") is not None:
-            self.wrapped.load_state_dict(entry["wrapped_state"])  # type: ignore[attr-defined]
+        if self.stateful and state["wrapped_state"] is not None:
+            self.wrapped.load_state_dict(state["wrapped_state"])  # type: ignore[attr-defined]
             self._iter = iter(self.wrapped)
             return None
-        k = int(entry["fresh"])
         if k > 0 and not isinstance(self.wrapped, (list, tuple)) and not self._warned_replay:
             self._warned_replay = True
             warnings.warn(f"LazySamplingLoader: resuming an iterable by reading its first {k} batch(es) again: exact "
