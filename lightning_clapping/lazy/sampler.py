@@ -1,11 +1,10 @@
 """The lazy-sampling engine behind :class:`lightning_clapping.LazySamplingLoader`: decisions, epochs, the per-batch
-:class:`BatchInfo` and the checkpoint state. It draws from a source of :mod:`lightning_clapping.lazy.source`; the
-public subclass in :mod:`lightning_clapping.data` links a Lightning trainer through two hooks.
+:class:`BatchInfo` and the checkpoint state; it draws from a source of :mod:`lightning_clapping.lazy.source`.
 
 Lightning fetches one batch ahead for a source without length and checkpoints at the batch it has consumed, so the
-sampler keeps the infos of its latest batches and the state right after each of its last two yields, under the
-``batch_idx`` Lightning gives the batch (``offset`` + position in the epoch). Such a state holds the current batch only
-when the next step reuses it, so no older batch is kept alive.
+sampler keeps the infos of its latest batches and the states right after its last two yields, under the ``batch_idx``
+Lightning gives the batch (``offset`` + position in the epoch). A state holds the current batch only when the next step
+reuses it, so no older batch is kept alive.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from torch import Tensor
 
 from lightning_clapping.lazy.source import make_source
 
+INFO_WINDOW = 16  # batches ``batch_info`` still answers for (Lightning looks at most one batch back)
 _STATE_VERSION = 2
 _STATE_KEYS = ("step", "fresh_total", "distinct", "pos", "fresh", "ids", "batch", "wrapped_state")
-INFO_WINDOW = 16  # batches ``batch_info`` still answers for (Lightning looks at most one batch back)
 _MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 
@@ -92,7 +91,8 @@ class LazySampler:
     """Fresh batch with probability ``p``, else the previous one again; epochs, batch infos and checkpoints.
 
     ``step``, ``fresh_draws`` and ``distinct_samples`` count, since training began, the batches yielded (Lightning may
-    have fetched the latest one ahead), the fresh draws and the samples read (reused batches not counted again).
+    have fetched the latest one ahead), the fresh draws and the samples read (reused batches not counted again). An
+    epoch is not begun (position 0), restored (position > 0, not running) or running.
     """
 
     def __init__(self, source: Iterable, p: float, seed: int, num_replicas: int, replica_rank: int) -> None:
@@ -105,7 +105,7 @@ class LazySampler:
         self._states: OrderedDict[int, tuple] = OrderedDict()  # right after the latest yields, by the next batch_idx
         self._offset = 0  # Lightning's batch_idx minus the position (not 0 after some resumes of a source without len)
         self._length = (-1, -1, 0)  # (first step, batches, steps) of the last epoch simulated
-        self._leave_epoch()
+        self._leave_epoch(ended=False)
 
     def _trainer_ready(self) -> Optional[int]:
         """Hook: batches the trainer has taken from the current epoch (Lightning's next batch_idx); None without one."""
@@ -137,10 +137,8 @@ class LazySampler:
     def replace_source(self, source: Iterable) -> None:
         """Draw from ``source`` from the next epoch on (decision stream and counters continue)."""
         if self._running or self._pos:
-            self._end_epoch()
+            self._leave_epoch()
         self._source = make_source(source, self.num_replicas, self.replica_rank, self.seed)
-
-    # -- epochs: not begun (pos 0), restored (pos > 0, not running), running -----------------------------------------
 
     def _epoch_length(self) -> Optional[int]:
         """Steps of the current epoch (simulated), None when the source has no length."""
@@ -153,21 +151,18 @@ class LazySampler:
         length = self._epoch_length()
         return length is not None and self._pos >= length
 
-    def _leave_epoch(self) -> None:
+    def _leave_epoch(self, ended: bool = True) -> None:
         """Forget the running or restored epoch and close the pass (the infos stay for its last batches)."""
         self._source.end()
+        self._epoch += int(ended)
         self._running = self._open = False
         self._pos = self._fresh = 0  # batches yielded and fresh draws in the epoch
         self._batch = self._ids = self._wrapped_state = None
         self._states.clear()
 
-    def _end_epoch(self) -> None:
-        self._leave_epoch()
-        self._epoch += 1
-
     def __len__(self) -> int:
         if self._running and self._at_epoch_end():
-            self._end_epoch()  # after its last step, len() describes the next epoch
+            self._leave_epoch()  # after its last step, len() describes the next epoch
         length = self._epoch_length()
         if length is None:
             raise TypeError("LazySamplingLoader has no length: the wrapped source has none.")
@@ -175,7 +170,7 @@ class LazySampler:
 
     def __iter__(self) -> "LazySampler":
         if self._running:
-            self._end_epoch()  # a new pass: the rest of a running epoch is dropped
+            self._leave_epoch()  # a new pass: the rest of a running epoch is dropped
         # An epoch not begun or restored is used as is: nothing happens before the first next() (so an iter() nobody
         # pulls from, like Lightning's iterability check, changes nothing).
         self._open = True
@@ -186,7 +181,7 @@ class LazySampler:
             raise StopIteration
         if not self._running:
             if self._pos and self._at_epoch_end():
-                self._end_epoch()  # restored after an epoch's last step: on with the next, as a new pass would
+                self._leave_epoch()  # restored after an epoch's last step: on with the next, as a new pass would
                 self._open = True
             self._begin()
         t = self.step
@@ -199,7 +194,7 @@ class LazySampler:
                 self._batch, self._ids, count, self._wrapped_state = self._source.draw(self._fresh,
                                                                                       self.distinct_samples)
             except StopIteration:
-                self._end_epoch()
+                self._leave_epoch()
                 raise
             self._fresh += 1
             self.fresh_draws, self.distinct_samples = self.fresh_draws + 1, self.distinct_samples + count
@@ -233,8 +228,6 @@ class LazySampler:
         while len(self._states) > 2:  # Lightning is at most one batch behind the latest yield
             self._states.popitem(last=False)
 
-    # -- checkpoints ---------------------------------------------------------------------------------------------------
-
     def _settings(self) -> dict:
         return {"p": self.p, "seed": self.seed, "num_replicas": self.num_replicas, "replica_rank": self.replica_rank,
                 "source_kind": self._source.kind}
@@ -261,7 +254,7 @@ class LazySampler:
             if state.get(key) != value:
                 warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
                               f"loader has {key}={value!r}; the resumed run will not repeat the uninterrupted one.")
-        self._leave_epoch()
+        self._leave_epoch(ended=False)
         self.step, self.fresh_draws, self.distinct_samples, self._pos, self._fresh = (
             int(state[key]) for key in _STATE_KEYS[:5])
         self._epoch, self._ids, self._wrapped_state = int(state["epoch"]), state["ids"], state["wrapped_state"]
