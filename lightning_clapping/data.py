@@ -66,24 +66,22 @@ class LazySamplingLoader(LazySampler):
     only comes at a fresh step): do not modify a batch in place. An epoch is one pass of the source by fresh draws; it
     ends at the first fresh decision that finds the source exhausted, which opens the next epoch. With a sized source
     ``len()`` is the exact number of steps of the current (between epochs: the next) epoch; lengths vary, so a loader
-    bound to a fitting trainer updates the fit loop's batch count at each epoch's first step. An epoch that Lightning
+    bound to a fitting trainer sets the fit loop's batch count at each epoch's first step. An epoch that Lightning
     stops early (``limit_train_batches``) is dropped at the next ``iter()``.
 
     ``batch_info(batch_idx)`` is the :class:`BatchInfo` of the batch ``training_step`` gets with that ``batch_idx``
-    (also with Lightning's prefetching, and after a resume). Sample ids of a map-style ``DataLoader`` are dataset
-    indices: the loader draws each epoch's index order when the epoch begins, as ``DataLoader.__iter__`` would, and
-    loads it with an inner DataLoader built like the wrapped one (whose own ``__iter__`` is bypassed; with workers the
-    batches are the same but the workers' seeds differ). For iterables they count the samples read, and a stream is
-    read only at fresh steps.
+    (also with Lightning's prefetching and after a resume). Sample ids of a map-style ``DataLoader`` are dataset
+    indices: each epoch's index order is drawn when it begins, as ``DataLoader.__iter__`` would, and loaded by an inner
+    DataLoader built like the wrapped one (with workers the batches are the same but the workers' seeds differ). For
+    iterables the ids count the samples read; a stream is read only at fresh steps.
 
-    Resume: Lightning stores ``state_dict()`` with the fit loop, and :class:`LazySamplingDataModule` keeps a copy, so a
-    run resumed with ``ckpt_path=`` mid-epoch, even mid-window, repeats the uninterrupted one. The state is taken at
+    Resume: Lightning stores ``state_dict()`` with the fit loop (and :class:`LazySamplingDataModule` keeps a copy), so
+    a run resumed with ``ckpt_path=`` mid-epoch, even mid-window, repeats the uninterrupted one. The state is taken at
     the batch the bound trainer has consumed (the data module binds it; a bare loader given to ``Trainer.fit`` needs
-    ``bind_trainer(trainer)`` first) and holds counters, the position, the batch to reuse (if it holds only tensors,
-    numbers and strings in lists/tuples/dicts; else it is rebuilt from its indices or by re-reading an iterable) and
-    the RNG states the epoch's order was drawn from. Pass a seeded ``generator=`` to the DataLoader to repeat later
-    epochs too (the global RNG is not restored). Iterables with ``state_dict``/``load_state_dict`` are restored through
-    them, others re-read. Warnings say when a resume cannot be exact.
+    ``bind_trainer(trainer)`` first). The batch to reuse is saved when it holds only tensors, numbers and strings in
+    lists/tuples/dicts, else rebuilt from its indices or by re-reading an iterable; a map-style order is redrawn from
+    saved RNG states (pass a seeded ``generator=`` to repeat later epochs too: the global RNG is not restored);
+    iterables with ``state_dict``/``load_state_dict`` are restored through them. Warnings say when it cannot be exact.
     """
 
     def __init__(self, source: Iterable, p: float = 0.5, seed: int = 0, num_replicas: int = 1,

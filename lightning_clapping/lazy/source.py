@@ -43,17 +43,8 @@ def make_source(source: Iterable, num_replicas: int, replica_rank: int, seed: in
     return IterSource(source)
 
 
-def _fingerprint(order: list) -> int:
-    """A checksum of a pass's index order, to tell whether a resume redrew the same one."""
-    return zlib.crc32(repr(order).encode())
-
-
-class _Feed(list):
-    """Index sampler of the inner DataLoader: the index batches still to load in this pass (refilled per pass)."""
-
-
 class MapSource:
-    """A torch ``DataLoader`` over a map-style dataset; with ``num_replicas > 1`` sharded like ``DistributedSampler``."""
+    """A torch ``DataLoader`` over a map-style dataset; with ``num_replicas > 1``, sharded like DistributedSampler."""
 
     kind = "map"
 
@@ -62,14 +53,15 @@ class MapSource:
         self.base_drawn = False  # with persistent workers a DataLoader draws its workers' base seed only once
         self.order: Optional[list] = None  # the running pass's index batches (indices without auto-collation)
         self._entry: dict = {}
-        self._feed, self._inner, self._iter, self._warned_global_rng = _Feed(), None, None, False
+        self._inner, self._iter, self._warned_global_rng = None, None, False
+        self._feed: list = []  # the inner DataLoader's index sampler: what it still loads of the pass (refilled)
         self._indices = loader.batch_sampler if self.auto_collation else sampler
         self._sharded = num_replicas > 1
         if self._sharded:
             if loader.batch_size is None or not isinstance(sampler, (RandomSampler, SequentialSampler)):
                 raise ValueError(
-                    "num_replicas > 1 shards a DataLoader built with batch_size, shuffle and drop_last (a RandomSampler "
-                    f"or SequentialSampler), got sampler={type(sampler).__name__}, batch_size={loader.batch_size}. "
+                    "num_replicas > 1 shards a DataLoader built with batch_size, shuffle and drop_last (a RandomSampler"
+                    f" or SequentialSampler), got sampler={type(sampler).__name__}, batch_size={loader.batch_size}. "
                     "Shard the data yourself and keep num_replicas=1.")
             shards = DistributedSampler(loader.dataset, num_replicas, replica_rank, seed=seed, drop_last=False,
                                         shuffle=isinstance(sampler, RandomSampler))
@@ -112,7 +104,7 @@ class MapSource:
             order = [list(b) if self.auto_collation else int(b) for b in indices]
         self.base_drawn = self.base_drawn or drew_base
         self.order, self._base_seed, self._iter = order, base_seed, None
-        self._entry = {"order_rng": order_rng, "fingerprint": _fingerprint(order), "drew_base": drew_base}
+        self._entry = {"order_rng": order_rng, "fingerprint": zlib.crc32(repr(order).encode()), "drew_base": drew_base}
 
     def checkpoint(self) -> dict:
         """What a checkpoint keeps: the RNG states the running (else the next) pass's order is drawn from."""
