@@ -48,7 +48,7 @@ def _check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> 
 
 
 def _no_trainer() -> None:
-    return None
+    """The trainer of an unbound loader (a module function, so that a pickled loader keeps it)."""
 
 
 class LazySamplingLoader(LazySampler):
