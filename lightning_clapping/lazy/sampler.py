@@ -1,25 +1,28 @@
-"""The lazy-sampling state machine behind :class:`lightning_clapping.data.LazySamplingLoader`, and its per-batch
-:class:`BatchInfo` (both exported by :mod:`lightning_clapping.data`).
+"""The lazy-sampling engine behind :class:`lightning_clapping.LazySamplingLoader`: decisions, epochs, the per-batch
+:class:`BatchInfo` and the checkpoint state; it draws from a source of :mod:`lightning_clapping.lazy.source`.
 
-:class:`LazySampler` owns the decision stream, the counters, the current epoch and the checkpoint format; it draws
-from a source of :mod:`lightning_clapping.lazy.source`, and each epoch's bookkeeping is an
-:class:`~lightning_clapping.lazy.epoch.Epoch`. Everything that talks to a Lightning ``Trainer`` lives in the public
-subclass, behind two hooks: ``_trainer_ready`` and ``_sync_trainer_length``.
+Lightning fetches one batch ahead for a source without length and checkpoints at the batch it has consumed, so the
+sampler keeps the infos of its latest batches and the states right after its last two yields, under the ``batch_idx``
+Lightning gives the batch (``offset`` + position in the epoch). A state holds the current batch only when the next step
+reuses it, so no older batch is kept alive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_clapping.lazy.epoch import Epoch
 from lightning_clapping.lazy.source import make_source
 
-_STATE_VERSION = 1
+INFO_WINDOW = 16  # batches ``batch_info`` still answers for (Lightning looks at most one batch back)
+_STATE_VERSION = 2
+_STATE_KEYS = ("step", "fresh_total", "distinct", "pos", "fresh", "ids", "batch", "wrapped_state")
+_MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -45,43 +48,27 @@ class BatchInfo:
     step: int
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Decisions: a counter-based generator (SplitMix64). The decision of step t depends only on (seed, t), so it is the
-# same in every process, needs no state to checkpoint, and the future can be simulated without consuming anything.
-# --------------------------------------------------------------------------------------------------------------------
-
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_TWO_POW_M53 = 1.0 / (1 << 53)
-
-
 def _mix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
 
 
-class _Decisions:
-    def __init__(self, seed: int, p: float) -> None:
-        self.p = p
-        self._base = _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
+class Decisions:
+    """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
+    depends on (seed, t) only, so processes agree, nothing is saved, and the future can be simulated."""
 
-    def uniform(self, step: int) -> float:
-        """The step-th uniform in [0, 1) of this seed's stream (53-bit resolution)."""
-        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) * _TWO_POW_M53
+    def __init__(self, seed: int, p: float) -> None:
+        self.p, self._base = p, _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
 
     def fresh(self, step: int) -> bool:
-        return self.uniform(step) < self.p
+        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
 
     def epoch_steps(self, start: int, num_batches: int) -> int:
-        """Steps an epoch takes that starts (fresh) at global step ``start`` and holds ``num_batches`` batches.
-
-        The epoch ends at the first fresh decision that finds all its batches drawn; that step is not part of it.
-        """
-        if num_batches <= 0:
-            return 0
-        if self.p >= 1.0:
-            return num_batches
+        """Steps of an epoch of ``num_batches`` batches that begins at step ``start``: it ends at the first fresh
+        decision that finds them all drawn (that step is the next epoch's first)."""
+        if num_batches <= 0 or self.p >= 1.0:
+            return max(num_batches, 0)
         drawn, t = 1, start + 1
         while True:
             if self.fresh(t):
@@ -91,223 +78,193 @@ class _Decisions:
             t += 1
 
 
-class _LazyIterator(Iterator):
-    def __init__(self, loader: "LazySampler", epoch: Epoch) -> None:
-        self._loader = loader
-        self._epoch = epoch
-
-    def __iter__(self) -> "_LazyIterator":
-        return self
-
-    def __next__(self) -> Any:
-        return self._loader._next(self)
+def _is_plain(obj: Any, depth: int = 0) -> bool:
+    """Whether ``obj`` survives ``torch.load(weights_only=True)`` (tensors, numbers, strings, list/tuple/dict)."""
+    if type(obj) in (list, tuple):
+        return depth < 32 and all(_is_plain(x, depth + 1) for x in obj)
+    if type(obj) in (dict, OrderedDict):
+        return depth < 32 and all(type(k) in (str, int) and _is_plain(v, depth + 1) for k, v in obj.items())
+    return obj is None or type(obj) in (bool, int, float, str, Tensor)
 
 
 class LazySampler:
-    """Fresh batch with probability ``p``, else the previous one again; epochs, counters and checkpoints.
+    """Fresh batch with probability ``p``, else the previous one again; epochs, batch infos and checkpoints.
 
-    The public subclass validates the arguments and links a trainer through the two hooks below.
+    ``step``, ``fresh_draws`` and ``distinct_samples`` count, since training began, the batches yielded (Lightning may
+    have fetched the latest one ahead), the fresh draws and the samples read (reused batches not counted again). An
+    epoch is not begun (position 0), restored (position > 0, not running) or running.
     """
 
     def __init__(self, source: Iterable, p: float, seed: int, num_replicas: int, replica_rank: int) -> None:
         self.p, self.seed, self.num_replicas, self.replica_rank = p, seed, num_replicas, replica_rank
-        self._decisions = _Decisions(seed, p)
+        self._decisions = Decisions(seed, p)
         self._source = make_source(source, num_replicas, replica_rank, seed)
-        self._step = 0  # batches yielded since the start of training
-        self._fresh_total = 0  # fresh draws since the start of training
-        self._distinct = 0  # samples read from the source
-        self._epochs_begun = 0  # index of the next epoch
-        self._epoch: Optional[Epoch] = None
-        self._warned_global_rng = False
+        self.step = self.fresh_draws = self.distinct_samples = 0
+        self._epoch = 0  # the running or restored epoch, else the next one
+        self._infos: OrderedDict[int, BatchInfo] = OrderedDict()  # by Lightning's batch_idx
+        self._states: OrderedDict[int, tuple] = OrderedDict()  # right after the latest yields, by the next batch_idx
+        self._offset = 0  # Lightning's batch_idx minus the position (not 0 after some resumes of a source without len)
+        self._length = (-1, -1, 0)  # (first step, batches, steps) of the last epoch simulated
+        self._leave_epoch(ended=False)
 
     def _trainer_ready(self) -> Optional[int]:
-        """Batches the trainer has taken from the current epoch (Lightning's next batch_idx); None without one."""
+        """Hook: batches the trainer has taken from the current epoch (Lightning's next batch_idx); None without one."""
         return None
 
-    def _sync_trainer_length(self, ep: Epoch) -> None:
-        """Called at the first step of every epoch, once its length is known: tell the trainer."""
+    def _sync_trainer_length(self, length: int) -> None:
+        """Hook, called at the first step of every epoch of known length: tell the trainer its number of batches."""
+
+    @property
+    def source(self) -> Iterable:
+        """The wrapped train loader / iterable."""
+        return self._source.wrapped
+
+    @property
+    def epoch(self) -> int:
+        """Index of the current epoch (of the next one between epochs)."""
+        return self._epoch + int(self._running and self._at_epoch_end())
+
+    def batch_info(self, batch_idx: int) -> BatchInfo:
+        """Metadata of the batch yielded at position ``batch_idx`` of the current epoch (Lightning's ``batch_idx``)."""
+        info = self._infos.get(int(batch_idx))
+        if info is None:
+            raise KeyError(
+                f"LazySamplingLoader.batch_info: no batch at position {batch_idx} of the current epoch among the "
+                f"last {INFO_WINDOW} yielded (known positions: {list(self._infos)}). batch_idx is the index Lightning "
+                "passes to training_step, i.e. the number of batches yielded before it in this epoch.")
+        return info
 
     def replace_source(self, source: Iterable) -> None:
         """Draw from ``source`` from the next epoch on (decision stream and counters continue)."""
-        ep = self._epoch
-        if ep is not None and not ep.started:
-            self._epoch = None
+        if self._running or self._pos:
+            self._leave_epoch()
         self._source = make_source(source, self.num_replicas, self.replica_rank, self.seed)
 
-    # -- epochs ------------------------------------------------------------------------------------------------------
+    def _epoch_length(self) -> Optional[int]:
+        """Steps of the current epoch (simulated), None when the source has no length."""
+        start, n = self.step - self._pos, self._source.num_batches()
+        if n is not None and self._length[:2] != (start, n):
+            self._length = (start, n, self._decisions.epoch_steps(start, n))
+        return None if n is None else self._length[2]
 
-    def _next_epoch(self) -> Epoch:
-        """Close the current epoch (if any) and plan the next one, with its exact length when the source has one."""
-        if self._epoch is not None:
-            self._close(self._epoch)
-        n = self._source.num_batches()
-        total = None if n is None else self._decisions.epoch_steps(self._step, n)
-        self._epoch = Epoch(self._epochs_begun, self._step, n, total)
-        return self._epoch
+    def _at_epoch_end(self) -> bool:
+        length = self._epoch_length()
+        return length is not None and self._pos >= length
 
-    def _adopt_order_length(self, ep: Epoch) -> None:
-        """A map-style epoch has as many batches as the order drawn for it (a sampler may change its length)."""
-        n = ep.src.num_batches
-        if n is not None and n != ep.num_batches:
-            ep.num_batches, ep.total = n, self._decisions.epoch_steps(ep.start, n)
-
-    def _close(self, ep: Epoch) -> None:
-        ep.finished = True
-        if ep.src is not None:
-            self._source.close(ep.src)
+    def _leave_epoch(self, ended: bool = True) -> None:
+        """Forget the running or restored epoch and close the pass (the infos stay for its last batches)."""
+        self._source.end()
+        self._epoch += int(ended)
+        self._running = self._open = False
+        self._pos = self._fresh = 0  # batches yielded and fresh draws in the epoch
+        self._batch = self._ids = self._wrapped_state = None
+        self._states.clear()
 
     def __len__(self) -> int:
-        # The epoch len() describes: the running one, else the one the next iter() will run.
-        ep = self._epoch
-        if ep is None or ep.finished or (ep.started and ep.complete):
-            ep = self._next_epoch()
-        if ep.total is None:
+        if self._running and self._at_epoch_end():
+            self._leave_epoch()  # after its last step, len() describes the next epoch
+        length = self._epoch_length()
+        if length is None:
             raise TypeError("LazySamplingLoader has no length: the wrapped source has none.")
-        return ep.total
+        return length
 
-    def __iter__(self) -> Iterator:
-        ep = self._epoch
-        if ep is None or ep.started or ep.finished:
-            ep = self._next_epoch()
-        # An unstarted epoch (planned by len(), restored by load_state_dict, or left by an iter() nobody pulled from,
-        # like Lightning's iterability check) is used as is: nothing happens before the first next().
-        return _LazyIterator(self, ep)
+    def __iter__(self) -> "LazySampler":
+        if self._running:
+            self._leave_epoch()  # a new pass: the rest of a running epoch is dropped
+        # An epoch not begun or restored is used as is: nothing happens before the first next() (so an iter() nobody
+        # pulls from, like Lightning's iterability check, changes nothing).
+        self._open = True
+        return self
 
-    # -- the step ----------------------------------------------------------------------------------------------------
-
-    def _begin(self, ep: Epoch) -> None:
-        ep.started = True
-        ready = self._trainer_ready()
-        if ready is not None:
-            ep.offset = ready - ep.pos
-        self._epochs_begun = ep.index + 1
-        if ep.restored is not None:
-            self._resume(ep)
-        else:
-            ep.src = self._source.begin(ep.index)
-            self._adopt_order_length(ep)
-        ep.remember(self._step, self._fresh_total, self._distinct)
-        self._sync_trainer_length(ep)
-
-    def _next(self, it: _LazyIterator) -> Any:
-        ep = it._epoch
-        if self._epoch is not ep or ep.finished:
+    def __next__(self) -> Any:
+        if not self._open:
             raise StopIteration
-        if not ep.started and ep.restored is not None and ep.complete:
-            # Resumed from a checkpoint taken after the last step of an epoch: this iterator carries on with the
-            # next epoch, as a new pass of a plain DataLoader would.
-            ep = it._epoch = self._next_epoch()
-        if not ep.started:
-            self._begin(ep)
-        t = self._step
-        fresh = ep.pos == 0 or not ep.has_batch or self._decisions.fresh(t)
+        if not self._running:
+            if self._pos and self._at_epoch_end():
+                self._leave_epoch()  # restored after an epoch's last step: on with the next, as a new pass would
+                self._open = True
+            self._begin()
+        t = self.step
+        fresh = self._pos == 0 or self._batch is None or self._decisions.fresh(t)
         if fresh:
-            if ep.num_batches is not None and ep.fresh >= ep.num_batches:
-                self._close(ep)
-                raise StopIteration
+            n = self._source.num_batches()
             try:
-                batch, ids, count, wrapped_state = self._source.draw(ep.src, ep.fresh, self._distinct)
+                if n is not None and self._fresh >= n:
+                    raise StopIteration
+                self._batch, self._ids, count, self._wrapped_state = self._source.draw(self._fresh,
+                                                                                      self.distinct_samples)
             except StopIteration:
-                self._close(ep)
+                self._leave_epoch()
                 raise
-            self._fresh_total += 1
-            self._distinct += count
-            ep.take(batch, ids, wrapped_state)
-        ep.remember_info(BatchInfo(fresh, self._fresh_total - 1, ep.ids, self._distinct, t))
-        self._step += 1
-        ep.pos += 1
-        ep.remember(self._step, self._fresh_total, self._distinct)
-        return ep.batch
+            self._fresh += 1
+            self.fresh_draws, self.distinct_samples = self.fresh_draws + 1, self.distinct_samples + count
+        self._infos[self._offset + self._pos] = BatchInfo(fresh, self.fresh_draws - 1, self._ids,
+                                                          self.distinct_samples, t)
+        while len(self._infos) > INFO_WINDOW:
+            self._infos.popitem(last=False)
+        self.step, self._pos = t + 1, self._pos + 1
+        self._remember_state()
+        return self._batch
 
-    # -- checkpointing -----------------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        if self._pos == 0:
+            self._source.begin(self._epoch)
+        ready = self._trainer_ready()
+        self._offset = 0 if ready is None else ready - self._pos
+        self._running = True
+        self._infos.clear()
+        self._states.clear()
+        self._remember_state()
+        length = self._epoch_length()
+        if length is not None:
+            self._sync_trainer_length(self._offset + length)
+
+    def _remember_state(self) -> None:
+        """Keep what a checkpoint right after the latest yield needs, under the batch_idx of the batch after it."""
+        reused_next = self._batch is not None and not self._decisions.fresh(self.step)
+        self._states[self._offset + self._pos] = (self.step, self.fresh_draws, self.distinct_samples, self._pos,
+                                                  self._fresh, self._ids, self._batch if reused_next else None,
+                                                  self._wrapped_state)
+        while len(self._states) > 2:  # Lightning is at most one batch behind the latest yield
+            self._states.popitem(last=False)
 
     def _settings(self) -> dict:
         return {"p": self.p, "seed": self.seed, "num_replicas": self.num_replicas, "replica_rank": self.replica_rank,
                 "source_kind": self._source.kind}
 
-    def _state(self, counters: tuple[int, int, int], next_epoch: int, generators: Optional[dict],
-               epoch: Optional[dict] = None) -> dict:
-        step, fresh_total, distinct = counters
-        return {"version": _STATE_VERSION, **self._settings(), "step": step, "fresh_total": fresh_total,
-                "distinct": distinct, "next_epoch": next_epoch, "epoch": epoch, "generators": generators,
-                "base_drawn": getattr(self._source, "base_drawn", False)}
-
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly from the batch the trainer consumed last (see class docstring)."""
-        ep = self._epoch
-        if ep is None or not ep.started:
-            if ep is not None and ep.restored is not None:
-                return dict(ep.restored)  # restored but not iterated yet: unchanged
-            counters = (self._step, self._fresh_total, self._distinct)
-            return self._state(counters, self._epochs_begun, self._source.capture_rng())
-        snap = ep.snapshot_for(self._trainer_ready())
-        counters = (snap.step, snap.fresh_total, snap.distinct)
-        if snap.pos == 0:
-            rng = ep.src.order_rng if ep.src is not None else self._source.capture_rng()
-            return self._state(counters, ep.index, rng)
-        if ep.finished and ep.total is None and snap is ep.snapshots.get(ep.pos):
-            # A source without length that was found exhausted: Lightning starts a new epoch on resume.
-            return self._state(counters, ep.index + 1, self._source.capture_rng())
-        return self._state(counters, ep.index + 1, None, ep.entry(snap))
+        """All it takes to go on exactly after the batch the trainer consumed last (without one: the latest yielded):
+        counters, the epoch and position in it (0: begin it), the batch to reuse (when plain, else None: rebuilt on
+        load) and what the source needs (the RNG states the epoch's order is drawn from, an iterable's state)."""
+        if self._running or self._pos:
+            state = self._states.get(self._trainer_ready()) or next(reversed(self._states.values()))  # type: ignore
+        else:
+            state = (self.step, self.fresh_draws, self.distinct_samples, 0, 0, None, None, None)
+        saved = dict(zip(_STATE_KEYS, state), version=_STATE_VERSION, epoch=self._epoch, **self._settings(),
+                     **self._source.checkpoint())
+        saved["batch"] = saved["batch"] if _is_plain(saved["batch"]) else None
+        return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Continue from a ``state_dict``; the next ``iter()`` resumes the saved epoch at the saved position."""
+        """Go on from a ``state_dict``: the source is put back now, the next ``iter()`` resumes at the saved batch."""
         state = dict(state_dict)
-        if int(state.get("version", -1)) != _STATE_VERSION:
+        if state.get("version") != _STATE_VERSION:
             raise ValueError(f"LazySamplingLoader: unsupported state version {state.get('version')!r}.")
         for key, value in self._settings().items():
             if state.get(key) != value:
-                rank_zero_warn(
-                    f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this loader has "
-                    f"{key}={value!r}; the resumed run will not repeat the uninterrupted one."
-                )
-        if self._epoch is not None:
-            self._close(self._epoch)
-        self._step = int(state["step"])
-        self._fresh_total = int(state["fresh_total"])
-        self._distinct = int(state["distinct"])
-        self._epochs_begun = int(state["next_epoch"])
-        if hasattr(self._source, "base_drawn"):
-            self._source.base_drawn = bool(state.get("base_drawn", False))
-        if self._source.uses_global_rng() and not self._warned_global_rng:
-            self._warned_global_rng = True
-            rank_zero_warn(
-                "LazySamplingLoader: the wrapped DataLoader shuffles with the global torch RNG, which the checkpoint "
-                "does not restore: the current epoch resumes exactly, but later epochs use a different order than "
-                "an uninterrupted run. Pass generator=torch.Generator().manual_seed(s) to the DataLoader for fully "
-                "exact resumes."
-            )
-        entry = state.get("epoch")
-        if entry is None:
-            self._source.apply_generator_states(state.get("generators"))
-            self._epoch = None
-            return
-        ep = Epoch.from_entry(entry)
-        ep.restored = state
-        self._epochs_begun = ep.index + 1
-        # A map-style source redraws the epoch's order now: this puts the DataLoader's generators where the
-        # uninterrupted run had them, even if Lightning never asks this epoch for another batch (resume at its last
-        # step). An iterable is repositioned at the first step (see _resume).
-        ep.src = self._source.restore(ep.index, entry)
-        if ep.src is not None:
-            self._adopt_order_length(ep)
-        self._epoch = ep
-
-    def _resume(self, ep: Epoch) -> None:
-        """First step after load_state_dict: bring back the source's position and the batch a reuse step needs."""
-        entry = ep.restored["epoch"]  # type: ignore[index]
-        ep.restored = None
-        need_batch = not entry["has_batch"] and not self._decisions.fresh(self._step)
-        ep.src, rebuilt = self._source.resume(ep.src, ep.index, ep.fresh, ep.ids, ep.wrapped_state, need_batch)
-        if entry["has_batch"]:
-            ep.batch, ep.has_batch = entry["batch"], True
-        elif rebuilt is not None:
-            ep.batch, ep.has_batch = rebuilt, True
-        elif need_batch:
-            rank_zero_warn(
-                "LazySamplingLoader: exact resume is impossible: the checkpoint does not hold the reused batch and it "
-                "cannot be rebuilt (keep batches to tensors/numbers/strings in lists, tuples and dicts, or use a "
-                "map-style DataLoader). The first step after the resume draws a fresh batch instead.",
-                category=RuntimeWarning,
-            )
-
+                warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
+                              f"loader has {key}={value!r}; the resumed run will not repeat the uninterrupted one.")
+        self._leave_epoch(ended=False)
+        self.step, self.fresh_draws, self.distinct_samples, self._pos, self._fresh = (
+            int(state[key]) for key in _STATE_KEYS[:5])
+        self._epoch, self._ids, self._wrapped_state = int(state["epoch"]), state["ids"], state["wrapped_state"]
+        need_batch = self._pos > 0 and state["batch"] is None and not self._decisions.fresh(self.step)
+        rebuilt = self._source.restore(self._epoch, state, need_batch)
+        self._batch = rebuilt if state["batch"] is None else state["batch"]
+        if need_batch and rebuilt is None:
+            warnings.warn("LazySamplingLoader: exact resume is impossible: the checkpoint does not hold the batch to "
+                          "reuse and it cannot be rebuilt (keep batches to tensors, numbers and strings in lists, "
+                          "tuples and dicts, or use a map-style DataLoader); a fresh batch is drawn instead.",
+                          RuntimeWarning)
+        if self._pos:
+            self._remember_state()
