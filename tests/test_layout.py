@@ -95,3 +95,21 @@ def test_engine_imports_from_the_package_only_engine_modules_and_torch_names_of_
                           if a.name.split(".")[0] in LIGHTNING_ROOTS
                           or (a.name.startswith("lightning_clapping.") and a.name.split(".")[1] not in SUBPACKAGES)]
     assert not wrong, wrong
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_no_module_of_the_package_is_over_500_lines():
+    big = {str(p.relative_to(PACKAGE_DIR)): _lines(p) for p in PACKAGE_DIR.rglob("*.py") if _lines(p) > 500}
+    assert not big, big
+
+
+def test_the_strategy_is_a_thin_adapter():
+    assert _lines(PACKAGE_DIR / "strategy.py") <= 550
+
+
+def test_no_benchmark_script_is_over_600_lines():
+    big = {p.name: _lines(p) for p in BENCHMARKS_DIR.glob("*.py") if _lines(p) > 600}
+    assert not big, big
