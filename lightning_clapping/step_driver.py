@@ -126,7 +126,7 @@ class StepDriver:
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, squared.sqrt().to(local.dtype))
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, hook: str, batch: Any, args: tuple, kwargs: dict) -> Any:
+    def evaluate(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         microbatches, sizes = self._split(batch)
         relay, device, placement = self.relay, self.placement.device, self.placement
         relay.clear()

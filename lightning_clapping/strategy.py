@@ -13,6 +13,10 @@ model) and accumulation run as usual.
 With several replicas, each stage's gradients are averaged over its replicas before the optimizer step.
 The last stage of replica 0 runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics
 first-hand; the other ranks get the same values through :mod:`lightning_clapping.log_relay`.
+
+The class is Lightning's hooks, each handing its work to a room: :mod:`.options`, :mod:`.launcher`,
+:mod:`.stage_setup`, :mod:`.step_driver`, :mod:`.tuning` (message rules, autotune), :mod:`.collectives`,
+:mod:`.checkpoint_hooks`; where this rank runs is one :class:`~lightning_clapping.comm.placement.Placement`.
 """
 
 from __future__ import annotations
@@ -188,8 +192,8 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
         self.runner: StageRunner | None = None
         self.executor: PipelineExecutor | None = None
         self._steps: StepDriver | None = None
-        self._byte_stats: ByteStats | None = None
-        self._full_state: dict[str, Tensor] | None = None
+        self._byte_stats: ByteStats | None = None  # its totals stay readable after teardown
+        self._full_state: dict[str, Tensor] | None = None  # rank 0's whole model, loaded back at teardown
 
     @property
     def schedule(self) -> str:
@@ -239,12 +243,15 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
         that (while Lightning sets up the ranks), the same arithmetic from the Trainer's devices, without groups."""
         if self._placement is not None:
             return self._placement
-        topology = Topology(self.num_stages, self.num_replicas, max(1, self.num_processes))
-        return Placement(topology, self.global_rank, self.root_device if self.num_processes else torch.device("cpu"))
+        device = self.root_device if self.num_processes else torch.device("cpu")
+        return Placement(self.topology, self.global_rank, device)
 
     @property
     def topology(self) -> Topology:
-        return self.placement.topology
+        """Stages x replicas on the nodes: the placement's, or before it exists the Trainer's devices' arithmetic."""
+        if self._placement is not None:
+            return self._placement.topology
+        return Topology(self.num_stages, self.num_replicas, max(1, self.num_processes))
 
     @property
     def world_size(self) -> int:
@@ -399,17 +406,17 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         return self._driver.train(batch, batch_idx, args, kwargs, self.optimizers)
 
-    def validation_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._driver.evaluate("validation_step", batch, args, kwargs)
+            return self._driver.evaluate("validation_step", *args, **kwargs)
 
-    def test_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._driver.evaluate("test_step", batch, args, kwargs)
+            return self._driver.evaluate("test_step", *args, **kwargs)
 
-    def predict_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._driver.evaluate("predict_step", batch, args, kwargs)
+            return self._driver.evaluate("predict_step", *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Gradients were computed by the pipeline inside ``training_step``; only the hooks run here (and, with
@@ -524,9 +531,8 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "clapping", cls, description="Pipeline-parallel training with compressed inter-stage messages"
-        )
+        strategy_registry.register("clapping", cls,
+                                   description="Pipeline-parallel training with compressed inter-stage messages")
 
 
 #: Options that read (and set) as attributes of the strategy too, as they did before :class:`ClappingOptions`.
