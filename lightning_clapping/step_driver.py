@@ -67,7 +67,9 @@ class StepDriver:
         patches.set(self.precision_plugin, "clip_grad_by_norm", self.clip_grad_by_norm)
 
     # ------------------------------------------------------------------ training
-    def train(self, batch: Any, batch_idx: int, args: tuple, kwargs: dict, optimizers: list[Any]) -> Any:
+    def train(self, optimizers: list[Any], batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``training_step``: the schedule's forwards and backwards of all micro-batches, the gradients
+        left in ``.grad`` for the optimizer step, and the last stage's loss (and outputs) returned on every rank."""
         module, trainer, device = self.module, self.module.trainer, self.placement.device
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
@@ -127,6 +129,7 @@ class StepDriver:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``hook`` (validation, test or predict step) over the micro-batches; forward only."""
         microbatches, sizes = self._split(batch)
         relay, device, placement = self.relay, self.placement.device, self.placement
         relay.clear()

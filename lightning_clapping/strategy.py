@@ -404,7 +404,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
         return self._steps
 
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-        return self._driver.train(batch, batch_idx, args, kwargs, self.optimizers)
+        return self._driver.train(self.optimizers, batch, batch_idx, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
