@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_clapping.comm.placement import Placement
 from lightning_clapping.pipeline.executor import StepStats
 
 
@@ -34,14 +34,12 @@ def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[float, ...] | 
 
 
 class ByteStats:
-    """Per-step byte numbers of every stage of one pipeline replica, gathered off the critical path (see the module
-    docstring) over ``group``, the ranks of that pipeline (``rank_of_stage`` gives their global ranks)."""
+    """Per-step byte numbers of every stage of this rank's pipeline replica, gathered off the critical path (see the
+    module docstring) over the placement's ``pp_group``."""
 
-    def __init__(self, num_stages: int, rank_of_stage: Callable[[int], int], lazy_messages: bool,
-                 group: Any = None) -> None:
-        self.num_stages = num_stages
-        self.group = group
-        self.rank_of_stage = rank_of_stage
+    def __init__(self, placement: Placement, lazy_messages: bool) -> None:
+        self.placement = placement
+        self.num_stages = placement.num_stages
         self.lazy_messages = lazy_messages
         self._pending: tuple[Any, list[torch.Tensor], dict[str, float]] | None = None
         self._ready: dict[str, float] = {}  # values of the last finished gather, not logged yet
@@ -58,7 +56,8 @@ class ByteStats:
         mine = torch.tensor(stats.as_list(), dtype=torch.float64)
         if self.num_stages > 1:
             gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
-            self._pending = (dist.all_gather(gathered, mine, group=self.group, async_op=True), gathered, dict(extra))
+            work = dist.all_gather(gathered, mine, group=self.placement.pp_group, async_op=True)
+            self._pending = (work, gathered, dict(extra))
         else:
             self._pending = (None, [mine], dict(extra))
         return previous
@@ -72,8 +71,9 @@ class ByteStats:
         self._pending = None
         if work is not None:
             work.wait()
+        p = self.placement
         index = (lambda s: 0) if self.num_stages == 1 else \
-            (lambda s: dist.get_group_rank(self.group or dist.group.WORLD, self.rank_of_stage(s)))
+            (lambda s: dist.get_group_rank(p.pp_group or dist.group.WORLD, p.rank_of_stage(s)))
         per_stage = [StepStats.from_list(gathered[index(s)].tolist()) for s in range(self.num_stages)]
         values = self._values(per_stage)
         self.totals["bytes"] += values["clapping/bytes"]

@@ -1,0 +1,186 @@
+"""The Lightning side of checkpoints: what this rank adds to a save, and reads back on a load.
+
+Lightning calls ``lightning_module_state_dict()`` and ``optimizer_state()`` on every rank, then ``save_checkpoint()``
+on every rank. ``"full"``: the first two gather replica 0's tensors to rank 0 (collectives within its pipeline), which
+writes the file. ``"sharded"``: they return this stage's own part, keyed by name, and every stage of replica 0 writes
+it (``torch.distributed.checkpoint``). The replicas hold the same weights and optimizer states; only their
+error-feedback buffers differ, and every replica saves its own. The tensor work itself (gathering, merging, the
+sharded layout) is :mod:`lightning_clapping.checkpoint.state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_clapping import _compat
+from lightning_clapping.checkpoint import state as ckpt
+from lightning_clapping.comm.placement import Placement
+from lightning_clapping.options import ClappingOptions
+from lightning_clapping.pipeline.executor import PipelineExecutor
+from lightning_clapping.pipeline.partition import Partition
+from lightning_clapping.pipeline.stage import StageRunner
+from lightning_clapping.tuning import Tuning
+
+
+class StageCheckpoints:
+    """This rank's part of saving and loading, for the options' ``state_dict_type``, ``"full"`` or ``"sharded"``.
+
+    ``sharded_loaded`` says that the last load read a sharded folder (model and optimizer states were read then,
+    by name); ``last_feedback`` holds this rank's error-feedback buffers from the last teardown, for a checkpoint
+    saved after ``fit`` returns.
+    """
+
+    def __init__(self, options: ClappingOptions) -> None:
+        self.options = options
+        self.sharded_loaded = False
+        self.last_feedback: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ saving
+    def model_state(self, module: pl.LightningModule, partition: Partition, placement: Placement) -> dict[str, Any]:
+        if placement.replica != 0:
+            return {}
+        mine = partition.owned_state_keys(placement.stage)
+        local = {k: v for k, v in module.state_dict().items() if k in mine}
+        if self.options.state_dict_type == "sharded":
+            return local
+        parts = ckpt.gather_to_zero(local, placement.device, group=placement.pp_group)
+        return ckpt.merge_model_states(parts, list(partition.state_stage)) if parts is not None else {}
+
+    def optimizer_state(self, module: pl.LightningModule, optimizer: Any, placement: Placement) -> dict[str, Any]:
+        if placement.replica != 0:
+            return {}
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        local = ckpt.local_optimizer_state(optimizer, optimizer.state_dict())
+        if self.options.state_dict_type == "sharded":
+            return ckpt.state_by_name(local, ckpt.param_names(module, optimizer))
+        parts = ckpt.gather_to_zero(local, placement.device, group=placement.pp_group)
+        return ckpt.merge_optimizer_states(parts) if parts is not None else {}
+
+    def feedback_state(self, executor: PipelineExecutor | None, placement: Placement) -> dict[str, Any]:
+        state = executor.feedback_state() if executor is not None else self.last_feedback
+        return {feedback_key(placement): state}
+
+    def add_run_record(self, checkpoint: dict[str, Any], partition: Partition | None, num_stages: int,
+                       tuning: Tuning) -> None:
+        """How this run was cut and tuned: a resumed run uses the saved buffers only if it is cut the same way."""
+        checkpoint["clapping"] = {"cut_points": list(partition.cut_points) if partition else [],
+                                  "num_stages": num_stages, "autotune": tuning.to_wire()}
+
+    def complete_full(self, checkpoint: dict[str, Any], feedback: dict[str, Any], placement: Placement,
+                              module: pl.LightningModule) -> None:
+        """``"full"``, collective over every rank: all error-feedback buffers (and whole hyperparameter modules)
+        into rank 0's checkpoint."""
+        parts = ckpt.gather_to_zero(feedback, placement.device)
+        if parts is not None:
+            checkpoint["clapping_feedback"] = {k: v for part in parts for k, v in part.items()}
+        if placement.global_rank == 0:
+            ckpt.whole_hparams_modules(checkpoint, module)
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: Path, feedback: dict[str, Any],
+                     placement: Placement) -> None:
+        """``"sharded"``: every stage of replica 0 writes its tensors, the other replicas their buffers only."""
+        if placement.global_rank == 0 and path.is_file():
+            path.unlink()
+        tensors = {"model": checkpoint.pop("state_dict"), "clapping_feedback": feedback}
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{i}"] = state
+        if placement.replica != 0:  # the other replicas add only their own error-feedback buffers
+            tensors = {"clapping_feedback": tensors["clapping_feedback"]}
+        held = [k for k, v in (checkpoint.get("hyper_parameters") or {}).items() if isinstance(v, torch.nn.Module)]
+        if held:
+            rank_zero_warn(
+                f"the saved hyperparameters hold modules ({', '.join(held)}); a sharded checkpoint stores them without "
+                "their weights (no rank holds the whole model), so load_from_checkpoint of the consolidated file "
+                f"cannot rebuild the model from them. Use `self.save_hyperparameters(ignore={held!r})` and build "
+                "those modules in the LightningModule, or state_dict_type='full'."
+            )
+        ckpt.save_sharded(path, tensors, checkpoint if placement.global_rank == 0 else None)
+
+    # ------------------------------------------------------------------ loading
+    def load_sharded(self, path: Path, module: pl.LightningModule, partition: Partition, placement: Placement,
+                     optimizers: list[Any], fitting: bool, weights_only: bool | None) -> tuple[dict[str, Any], Any]:
+        """Every rank reads only its own tensors by name (optimizer states only when ``fitting``); returns the rest
+        (``meta.pt``) and this rank's error-feedback buffers."""
+        meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=bool(weights_only))
+        saved = ckpt.saved_model_keys(path)
+        if module.strict_loading:
+            ckpt.check_model_keys(saved, list(partition.state_stage), path)
+        mine = partition.owned_state_keys(placement.stage)
+        ckpt.load_sharded_model(path, {k: v for k, v in module.state_dict().items() if k in mine and k in saved})
+        prefixes = [f"clapping_feedback.{feedback_key(placement)}"]
+        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+        names = [ckpt.param_names(module, o) for o in optimizers]
+        if fitting:
+            for i, (opt, opt_names) in enumerate(zip(optimizers, names)):
+                prefixes.append(f"optimizer_{i}.param_groups")
+                prefixes += [f"optimizer_{i}.state.{opt_names[j]}" for j in sorted(ckpt.owned_indices(opt))]
+        loaded = ckpt.load_sharded_entries(path, prefixes)
+        for i, (opt, opt_names) in enumerate(zip(optimizers, names)):
+            if f"optimizer_{i}" in loaded:
+                opt.load_state_dict(ckpt.state_by_position(loaded[f"optimizer_{i}"], opt_names))
+                _compat.optimizers_to_device([opt], placement.device)
+        return meta, loaded.get("clapping_feedback", {})
+
+    def load_model(self, checkpoint: dict[str, Any], module: pl.LightningModule, partition: Partition,
+                   stage: int, strict: bool) -> None:
+        mine = partition.owned_state_keys(stage)
+        full = checkpoint["state_dict"]
+        missing = [k for k in mine if k not in full]
+        if strict and missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} entries of stage {stage}, e.g. {missing[:5]}")
+        module.load_state_dict({k: v for k, v in full.items() if k in mine}, strict=False)
+
+    def load_optimizers(self, checkpoint: dict[str, Any], module: pl.LightningModule, optimizers: list[Any],
+                        device: torch.device) -> None:
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            state = ckpt.state_by_position(state, ckpt.param_names(module, optimizer))
+            optimizer.load_state_dict(ckpt.local_optimizer_state(optimizer, state))
+            _compat.optimizers_to_device([optimizer], device)
+
+
+def feedback_key(placement: Placement) -> str:
+    """Where this rank's error-feedback buffers live in a checkpoint (replica 0 keeps the one-replica names)."""
+    return f"stage{placement.stage}" if placement.replica == 0 else f"replica{placement.replica}_stage{placement.stage}"
+
+
+def restore_feedback(checkpoint: dict[str, Any], partition: Partition | None, executor: PipelineExecutor | None,
+                     placement: Placement, tuning: Tuning) -> None:
+    """Load this rank's saved error-feedback buffers into its rules, if the checkpoint was cut the same way."""
+    saved = checkpoint.get("clapping")
+    if not saved or executor is None or partition is None:
+        return
+    if list(saved.get("cut_points", [])) != list(partition.cut_points):
+        if checkpoint.get("clapping_feedback"):
+            rank_zero_warn(
+                f"the checkpoint was cut at {saved.get('cut_points')} and this run at "
+                f"{list(partition.cut_points)}: its error-feedback buffers belong to other boundaries, so "
+                "they are not used and restart empty (the first messages go in full precision)."
+            )
+        return
+    tuning.restore(saved.get("autotune"), executor)  # the saved run's choice, so that its buffers fit the rules
+    for name, state in checkpoint.get("clapping_feedback", {}).get(feedback_key(placement), {}).items():
+        rule = executor.rules.get(name)
+        if rule is not None:
+            rule.load_state(state, placement.device)
+
+
+@contextmanager
+def plain_forwards(runner: StageRunner | None) -> Generator[None, None, None]:
+    """Without the stage wrappers: saved hyperparameters may hold the model's own modules (``net: nn.Module``),
+    which must pickle as in one process."""
+    if runner is None:
+        yield
+        return
+    runner.uninstall()
+    try:
+        yield
+    finally:
+        runner.install()

@@ -1,0 +1,204 @@
+"""Setting up this rank's stage of the user's model, and undoing at teardown what the run changed.
+
+:func:`check_model` is what can be refused before processes start. :func:`build_stage` runs in ``setup()`` on every
+rank: it cuts the model (the same way on every process), warns about cuts that train differently from one device,
+builds the :class:`~lightning_clapping.pipeline.stage.StageRunner` of this rank's stage, materializes only that
+stage of a meta-built model, and sets the attributes the run needs (on the module, the trainer, the data module) as
+:class:`Patches`, which :func:`release_stage` puts back at teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_clapping import _compat
+from lightning_clapping import precision
+from lightning_clapping.comm.placement import Placement
+from lightning_clapping.data import LazySamplingDataModule
+from lightning_clapping.options import ClappingOptions
+from lightning_clapping.pipeline.materialize import materialize
+from lightning_clapping.pipeline.partition import Partition, build_partition
+from lightning_clapping.pipeline.stage import StageRunner
+
+log = logging.getLogger(__name__)
+
+
+class Patches:
+    """Attributes set for the duration of a run; :meth:`restore` puts the previous values back, last set first."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, bool, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        had, previous = name in obj.__dict__, obj.__dict__.get(name)
+        setattr(obj, name, value)
+        self._saved.append((obj, name, had, previous))
+
+    def restore(self) -> None:
+        for obj, name, had, previous in reversed(self._saved):
+            if had:
+                setattr(obj, name, previous)
+            else:
+                obj.__dict__.pop(name, None)
+        self._saved.clear()
+
+
+def check_model(model: pl.LightningModule, precision_plugin: Any, options: ClappingOptions, num_stages: int,
+                partition: bool = True) -> Partition | None:
+    """Everything that can be checked before processes start: raises with a message that says what to change.
+
+    ``partition=False`` skips cutting the model (its layers may not exist yet: ``configure_model()`` runs later).
+    """
+    if not model.automatic_optimization:
+        raise ValueError(
+            "ClappingStrategy supports automatic optimization only: the pipeline runs forward and backward of all "
+            "micro-batches inside one training step. Remove `self.automatic_optimization = False` and return the "
+            "loss from training_step."
+        )
+    precision.check_plugin(precision_plugin, options.variant)
+    return build_partition(model, num_stages, options.split_points) if partition else None
+
+
+def build_stage(trainer: pl.Trainer, module: pl.LightningModule, options: ClappingOptions, placement: Placement,
+                precision_plugin: Any, schedule: str, patches: Patches) -> tuple[Partition, StageRunner]:
+    """Cut the model and build this rank's stage of it (see the module docstring); ``schedule`` is the one that
+    runs, for the stage table printed when fitting."""
+    partition = check_model(module, precision_plugin, options, placement.num_stages)
+    assert partition is not None
+    check_same_cuts(partition, placement.num_ranks)
+    if trainer.state.fn == TrainerFn.FITTING:
+        rank_zero_info(f"ClappingStrategy: {placement.num_stages} stages, schedule {schedule}, "
+                       f"{options.microbatches} micro-batches\n{partition.table()}\n{placement.topology.describe()}")
+    warn_batchnorm(module, options.microbatches)
+    warn_empty_stages(partition, placement.num_stages)
+    options.check_codec_boundaries(placement.num_stages)
+    runner = StageRunner(module, partition, placement.stage, options.activation_checkpointing)
+    runner.release_foreign_state()
+    materialize_own_stage(module, partition, placement.stage, placement.device)
+    runner.install()
+    patches.set(module, "optimizer_zero_grad", None)  # the step driver zeroes the gradients itself
+    if placement.num_replicas == 1:
+        if options.ddp_comm_hook is not None:
+            rank_zero_warn("ddp_comm_hook is ignored: with one pipeline replica there are no gradients to average")
+        # one pipeline replica: the data must come in the user's own order, so Lightning injects no sampler
+        patches.set(_compat.accelerator_connector(trainer), "use_distributed_sampler", False)
+    else:
+        shard_lazy_data(trainer.datamodule, placement.num_replicas, placement.replica, patches)
+    if placement.num_ranks > 1:
+        for obj, name, value in _compat.sigterm_without_collectives(trainer):
+            patches.set(obj, name, value)
+    return partition, runner
+
+
+def check_same_cuts(partition: Partition, num_ranks: int) -> None:
+    """Collective, once per run: every process must have cut the model at the same modules (a node started with
+    other split points, whose boundary tensors happen to have the same shapes, would train silently wrong)."""
+    if num_ranks == 1:
+        return
+    cuts: list[Any] = [None] * num_ranks
+    dist.all_gather_object(cuts, list(partition.cut_points))
+    other = next((r for r, c in enumerate(cuts) if c != cuts[0]), None)
+    if other is not None:
+        raise ValueError(
+            f"the processes cut the model differently: rank 0 at {cuts[0]}, rank {other} at {cuts[other]}. "
+            "Start every process (every node) with the same code and the same split_points / stages."
+        )
+
+
+def warn_empty_stages(partition: Partition, num_stages: int) -> None:
+    empty = [s for s, n in enumerate(partition.stage_params) if n == 0]
+    if empty and not partition.shared_params:
+        firsts = ("<start>",) + partition.cut_points
+        rank_zero_warn(
+            f"ClappingStrategy: stage(s) {', '.join(f'{s} (from {firsts[s]!r})' for s in empty)} hold no "
+            "parameters: such a process only passes activations on, and adds a link and its delay to every step. "
+            f"Choose split_points that give every stage some layers, or split_points=None to balance "
+            f"{num_stages} stages by parameter count."
+        )
+
+
+def warn_batchnorm(module: pl.LightningModule, microbatches: int) -> None:
+    norms = [n for n, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if norms and microbatches > 1 and module.trainer.state.fn == TrainerFn.FITTING:
+        rank_zero_warn(
+            f"{len(norms)} BatchNorm layers ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) see one "
+            f"micro-batch at a time: with microbatches={microbatches} their batch statistics (and running "
+            "averages) come from micro-batches of the batch, not the whole batch, so training differs from one "
+            "device. Use microbatches=1, GroupNorm/LayerNorm, or accept per-micro-batch statistics."
+        )
+
+
+def materialize_own_stage(module: pl.LightningModule, partition: Partition, stage: int, device: torch.device) -> None:
+    """Allocate and initialise the meta-built modules of this rank's stage, and the replicated buffers."""
+    units = partition.units_of(stage)
+    spanning = set(partition.spanning)  # their own tensors can only be replicated buffers
+
+    def own(name: str) -> bool:
+        return name in spanning or any(u == "" or name == u or name.startswith(u + ".") for u in units)
+
+    if materialize([(n, m) for n, m in module.named_modules() if own(n)], device):
+        log.debug("stage %d materialized from the meta device", stage)
+
+
+def move_to_device(module: pl.LightningModule, runner: StageRunner, partition: Partition | None,
+                   device: torch.device) -> None:
+    """This stage's modules, and the buffers of the modules that span stages, onto this rank's device."""
+    for unit in runner.own_units():
+        unit.to(device)
+    for name in partition.spanning if partition else ():
+        sub = module.get_submodule(name)
+        for bname, buf in list(sub.named_buffers(recurse=False)):
+            sub._buffers[bname] = buf.to(device)
+
+
+def isolate_metrics(module: pl.LightningModule, dp_group: Any, patches: Patches) -> None:
+    """torchmetrics syncs ``compute()`` over the default (whole-world) group, but only the last stage has metric
+    state and calls it: give every Metric the group of the ranks that run the same stage (its replicas)."""
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover
+        return
+    if dp_group is None:
+        return
+    for m in module.modules():
+        if isinstance(m, Metric):
+            patches.set(m, "process_group", dp_group)
+
+
+def shard_lazy_data(dm: Any, num_replicas: int, replica: int, patches: Patches) -> None:
+    """A :class:`LazySamplingDataModule` (which Lightning gives no sampler) shards its data over the replicas."""
+    if not isinstance(dm, LazySamplingDataModule):
+        return
+    if dm.num_replicas not in (1, num_replicas):
+        raise ValueError(
+            f"LazySamplingDataModule(num_replicas={dm.num_replicas}) but ClappingStrategy runs "
+            f"{num_replicas} data-parallel replicas: leave num_replicas at its default (the strategy sets it "
+            f"and the replica rank) or pass num_replicas={num_replicas}"
+        )
+    if dm.loader is not None and (dm.loader.num_replicas, dm.loader.replica_rank) != (num_replicas, replica):
+        raise ValueError("the LazySamplingDataModule's loader was built before the strategy could shard it over "
+                         "the replicas; do not call train_dataloader() before trainer.fit()")
+    patches.set(dm, "num_replicas", num_replicas)
+    patches.set(dm, "replica_rank", replica)
+
+
+def release_stage(module: pl.LightningModule | None, runner: StageRunner | None, patches: Patches,
+                  full_state: dict[str, Any] | None) -> None:
+    """At teardown: the module's own forwards and attributes back, the whole model loaded into it on rank 0 after a
+    ``"full"`` run (``full_state``), and its tensors back on the CPU."""
+    if runner is not None:
+        runner.uninstall()
+    patches.restore()
+    if module is not None and full_state is not None:
+        module.load_state_dict(full_state, assign=True)
+    if module is not None:
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.device.type not in ("meta", "cpu"):
+                t.data = t.data.cpu()

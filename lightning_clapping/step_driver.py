@@ -1,0 +1,278 @@
+"""One Lightning step as one run of the pipeline schedule, and what every rank learns from it.
+
+A training step splits the batch into micro-batches, runs the schedule (the user's ``training_step`` once per
+micro-batch, on the last stage; the earlier stages stop at their cut), and ends with the same numbers on every rank:
+the last stage's loss and logged values ride back with the last gradient message
+(:mod:`lightning_clapping.comm.step_results`) and are logged on every rank through
+:mod:`lightning_clapping.log_relay`; the byte numbers are gathered off the critical path. Evaluation steps and
+epoch-end hooks, which send nothing backward, relay the last stage's logs with one broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_clapping import _compat
+from lightning_clapping import precision
+from lightning_clapping.codecs.feedback import StepContext
+from lightning_clapping.comm import failures
+from lightning_clapping.comm.placement import Placement
+from lightning_clapping.comm.replicas import GradientAverager
+from lightning_clapping.comm.step_results import ByteStats, pack_results, unpack_results
+from lightning_clapping.data import find_lazy_loader
+from lightning_clapping.log_relay import LogRelay
+from lightning_clapping.options import ClappingOptions
+from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
+from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
+from lightning_clapping.pipeline.partition import Partition
+from lightning_clapping.pipeline.stage import StageRunner
+from lightning_clapping.stage_setup import Patches
+from lightning_clapping.tuning import Tuning
+
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+
+
+class StepDriver:
+    """Runs this rank's part of each step of one Trainer run (built in ``setup()``, dropped at teardown)."""
+
+    def __init__(self, module: pl.LightningModule, options: ClappingOptions, placement: Placement,
+                 partition: Partition, runner: StageRunner, executor: PipelineExecutor, precision_plugin: Any,
+                 byte_stats: ByteStats, tuning: Tuning) -> None:
+        self.module, self.options, self.placement = module, options, placement
+        self.partition, self.runner, self.executor = partition, runner, executor
+        self.precision_plugin, self.byte_stats, self.tuning = precision_plugin, byte_stats, tuning
+        self.relay = LogRelay(module)
+        self.averager = GradientAverager(placement.dp_group, placement.num_replicas, comm_hook=options.ddp_comm_hook,
+                                         comm_state=options.ddp_comm_state) if placement.num_replicas > 1 else None
+        self._local_logs: list[Any] | None = None
+        self._checked_batch = False
+        self._lazy_checked = False
+        self._lazy_loader: Any = None
+        self._owners_settled = False
+
+    def patch_hooks(self, patches: Patches) -> None:
+        """The epoch-end hooks run on the last stage only, and clipping goes by the whole model's norm."""
+        for hook in EPOCH_END_HOOKS:
+            patches.set(self.module, hook, self._on_last_stage(getattr(self.module, hook)))
+        patches.set(self.precision_plugin, "clip_grad_by_norm", self.clip_grad_by_norm)
+
+    # ------------------------------------------------------------------ training
+    def train(self, optimizers: list[Any], batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``training_step``: the schedule's forwards and backwards of all micro-batches, the gradients
+        left in ``.grad`` for the optimizer step, and the last stage's loss (and outputs) returned on every rank."""
+        module, trainer, device = self.module, self.module.trainer, self.placement.device
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            for optimizer in optimizers:
+                type(module).optimizer_zero_grad(module, trainer.current_epoch, batch_idx, optimizer)
+        microbatches, sizes = self._split(batch)
+        total = sum(sizes)
+        weights = precision.scale_loss_weights(self.precision_plugin, [n / total / accumulate for n in sizes],
+                                               device, optimizers)
+        ctx, batch_id, info = self._step_context(trainer, batch_idx, sizes)
+        relay, stage = self.relay, self.placement.stage
+        relay.clear()
+
+        def step(mb: Any, j: int) -> Any:
+            with relay.capture(sizes[j]):
+                return module.training_step(mb, batch_idx, *args, **kwargs)
+
+        seed = (lambda j: _mix(_rng_base(), batch_id, stage, j)) if self.options.freeze_rng else None
+        fingerprint = failures.fingerprint(batch) if ctx.fresh and self.placement.num_stages > 1 else None
+        results = (lambda outs: self._step_results(outs, sizes, fingerprint)) if self.executor.is_last else None
+        with self._reported(), self.precision_plugin.train_step_context(), self._settling_shared_owners():
+            outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results)
+        loss = self._finish_step(outputs, sizes, stats, fingerprint, info, optimizers)
+        if self.executor.is_last and isinstance(outputs[-1], dict):
+            return {**merge_outputs(outputs, sizes), "loss": loss}
+        return loss
+
+    def _finish_step(self, outputs: list[Any], sizes: list[int], stats: StepStats,
+                     fingerprint: tuple[float, ...] | None, info: Any, optimizers: list[Any]) -> Tensor:
+        """After the schedule: average over the replicas, take the last stage's results, log, maybe autotune."""
+        if self.averager is not None and not _compat.should_accumulate(self.module.trainer):
+            # this stage's last backward is done: average over the replicas while the pipeline drains
+            self.averager.start(_stage_params(optimizers))
+        # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
+        blob = self.executor.results if self.placement.num_stages > 1 else self._step_results(outputs, sizes, None)
+        loss = self._apply_results(blob, fingerprint)
+        if self.options.log_bytes:
+            self._log_step_stats(stats, sum(sizes), info)
+        self.tuning.after_train_step(stats, len(sizes), self.executor, self.placement, self.module)
+        return loss
+
+    def finish_average(self) -> None:
+        """Before clipping and the optimizer step: wait for the replicas' average of the gradients."""
+        if self.averager is not None:
+            self.averager.finish()
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """Clip by the norm of the whole model's gradient, combined over all stages."""
+        device = self.placement.device
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
+        squared = local.detach().double().pow(2).to(device)
+        if self.placement.num_stages > 1:  # the replicas hold the same averaged gradients: their pipeline's is enough
+            dist.all_reduce(squared, group=self.placement.pp_group)
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, squared.sqrt().to(local.dtype))
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``hook`` (validation, test or predict step) over the micro-batches; forward only."""
+        microbatches, sizes = self._split(batch)
+        relay, device, placement = self.relay, self.placement.device, self.placement
+        relay.clear()
+        fn = getattr(self.module, hook)
+
+        def step(mb: Any, j: int) -> Any:
+            with relay.capture(sizes[j]):
+                return fn(mb, *args, **kwargs)
+
+        with self._reported(), self._settling_shared_owners():
+            outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
+        merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
+        if hook != "predict_step":
+            self.broadcast_logs()  # evaluation sends nothing backward for its results to ride on
+        elif placement.num_stages > 1:
+            # every rank returns the predictions, as under DDP: scripts that use them run on every rank
+            box = [_compat.tree_map_tensors(lambda t: t.cpu(), merged)]
+            dist.broadcast_object_list(box, src=placement.last_rank, group=placement.pp_group)
+            merged = box[0] if self.executor.is_last else _compat.tree_map_tensors(lambda t: t.to(device), box[0])
+        return merged
+
+    # ------------------------------------------------------------------ what every step needs
+    def _split(self, batch: Any) -> tuple[list[Any], list[int]]:
+        n = self.options.microbatches
+        microbatches, sizes = split_batch(batch, n)
+        if not self._checked_batch:
+            self._checked_batch = True
+            if sum(sizes) < n:
+                raise ValueError(
+                    f"microbatches={n} is larger than the batch ({sum(sizes)} samples): each "
+                    f"micro-batch needs at least one sample. Use microbatches <= {sum(sizes)} or a larger batch size."
+                )
+        return microbatches, sizes
+
+    def _reported(self) -> Any:
+        return failures.reported(self.placement.stage, self.placement.global_rank, self.placement.num_ranks)
+
+    def _step_context(self, trainer: pl.Trainer, batch_idx: int, sizes: list[int]) -> tuple[StepContext, int, Any]:
+        """What every stage knows about this step: its number, whether the batch is fresh, its sample ids."""
+        if not self._lazy_checked:
+            self._lazy_checked = True
+            self._lazy_loader = find_lazy_loader(trainer)
+            if self._lazy_loader is None and self.options.variant in ("clapping-fc", "clapping-fu"):
+                rank_zero_info(
+                    f"ClappingStrategy: variant={self.options.variant!r} without LazySamplingDataModule: every batch "
+                    "is fresh, so the error feedback works across unrelated batches (the ef21 baseline)."
+                )
+        step = trainer.global_step * trainer.accumulate_grad_batches + batch_idx % trainer.accumulate_grad_batches
+        if self._lazy_loader is None:
+            return StepContext(step=step, fresh=True, sample_ids=None, sizes=sizes), step, None
+        info = self._lazy_loader.batch_info(batch_idx)
+        ids = list(info.sample_ids.to(self.placement.device).split(sizes)) if info.sample_ids is not None else None
+        return StepContext(step=step, fresh=info.fresh, sample_ids=ids, sizes=sizes), info.batch_id, info
+
+    @contextmanager
+    def _settling_shared_owners(self) -> Generator[None, None, None]:
+        """At the first step: which stage uses each parameter that sits directly on a module spanning stages (such as
+        ``self.pos = nn.Parameter(...)`` on the LightningModule)? That stage owns it (trains and saves it); the
+        others hold an unused copy. Two users are refused. One ``all_gather_object``, once."""
+        if self._owners_settled or not self.partition.shared_params:
+            yield
+            return
+        with self.runner.settling_shared_owners(self.module, self.placement.rank_of_stage, self.placement.pp_group):
+            yield
+        self._owners_settled = True
+        owners = {k: self.partition.state_stage[k] for k in self.partition.shared_params}
+        rank_zero_info(f"ClappingStrategy: parameters on modules that span stages, by owning stage: {owners}")
+
+    # ------------------------------------------------------------------ results and logs
+    def _step_results(self, outputs: list[Any], sizes: list[int], fingerprint: tuple[float, ...] | None) -> bytes:
+        """On the last stage: the step's loss, its logged values and its batch fingerprint, as sent to the others."""
+        total = sum(sizes)
+        loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
+        self._local_logs = self.relay.combined()
+        return pack_results(loss, self.relay.to_wire(self._local_logs), fingerprint)
+
+    def _apply_results(self, blob: bytes, fingerprint: tuple[float, ...] | None) -> Tensor:
+        """Log the last stage's values on this rank (every rank, so callback metrics agree) and check the batch."""
+        loss, wire, last_fingerprint = unpack_results(blob)
+        if fingerprint is not None and last_fingerprint is not None:
+            failures.check_same_batch(fingerprint, last_fingerprint, self.placement.stage,
+                                      self.module.trainer.global_step)
+        device = self.placement.device
+        self.relay.replay(wire, self._local_logs if self.executor.is_last else None, device)
+        return torch.tensor(math.nan if loss is None else loss, device=device)
+
+    def broadcast_logs(self) -> None:
+        """Outside training steps: what the last stage logged reaches every rank with one broadcast."""
+        placement = self.placement
+        self._local_logs = self.relay.combined() if placement.is_last else None
+        box = [self.relay.to_wire(self._local_logs) if self._local_logs is not None else None]
+        if placement.num_stages > 1:
+            dist.broadcast_object_list(box, src=placement.last_rank, group=placement.pp_group)
+        self.relay.replay(box[0], self._local_logs, placement.device)
+
+    def _on_last_stage(self, user_hook: Callable[[], None]) -> Callable[[], None]:
+        """An epoch-end hook runs on the last stage only, where the step outputs it reads exist (the earlier stages
+        never reach the code after their cut); what it logs is relayed to every rank, like the steps' logs."""
+
+        def hook() -> None:
+            self.relay.clear()
+            if self.placement.is_last:
+                with self.relay.capture(1):
+                    user_hook()
+            self.broadcast_logs()
+
+        return hook
+
+    def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
+        extra = {} if info is None else {"clapping/distinct_samples": info.distinct_samples,
+                                          "clapping/fresh": float(info.fresh)}
+        values = self.byte_stats.step(stats, extra)  # the previous step's numbers: nothing waits for this step's
+        ratio_on_bar = self.options.variant != "uncompressed"
+        for name, value in values.items():
+            pl.LightningModule.log(self.module, name, float(value), on_step=True, on_epoch=False,
+                                   batch_size=batch_size, prog_bar=name == "clapping/ratio" and ratio_on_bar)
+
+
+def _stage_params(optimizers: list[Any]) -> list[torch.nn.Parameter]:
+    """This stage's parameters that hold a gradient, in the same order on every replica."""
+    seen: set[int] = set()
+    out = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def _rng_base() -> int:
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _mix(*values: int) -> int:
+    """A well-spread 31-bit seed from a few integers (the same on every rank)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = ((h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFF
+
+
+def _loss(out: Any) -> Tensor:
+    return out["loss"] if isinstance(out, dict) else out

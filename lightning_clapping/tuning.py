@@ -1,0 +1,112 @@
+"""Which rule each message gets: the options' codecs, until autotune chooses per boundary and direction.
+
+With ``autotune=True`` the links are measured after the second training step (:mod:`lightning_clapping.autotune.tune`),
+rank 0 decides, and every rank rebuilds its training rules from the choice (and, with ``schedule="auto"``, switches
+schedule) before the next step. The choice is kept for the rest of the run, saved in checkpoints, and adopted again
+when a run resumes, so that the saved error-feedback buffers fit the rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_clapping.autotune import tune as autotune
+from lightning_clapping.codecs.feedback import MessageRule
+from lightning_clapping.comm.placement import Placement
+from lightning_clapping.options import ClappingOptions
+from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
+from lightning_clapping.pipeline.schedule import SCHEDULES, get_schedule
+
+TUNE_AFTER_STEPS = 2  # the first step builds the buffers and announces the shapes; the second is a steady one
+
+
+class Tuning:
+    """The message rules of a run and autotune's choice of them (kept across the Trainer's runs, like the options).
+
+    ``choices`` is ``{boundary: autotune.Choice}`` once decided (``None`` before); ``schedule`` is the schedule that
+    runs (autotune may change it under ``schedule="auto"``).
+    """
+
+    def __init__(self, options: ClappingOptions) -> None:
+        self.options = options
+        self.choices: dict[int, Any] | None = None
+        self.schedule = options.schedule
+        self.train_steps = 0
+
+    def make_rule(self, boundary: int, direction: str, training: bool) -> MessageRule:
+        """The encoder/decoder of one boundary and direction (both ends build the same one)."""
+        o = self.options
+        codec = o.forward_codec if direction == "fwd" else o.backward_codec
+        if isinstance(codec, dict):
+            codec = codec.get(boundary)
+        if training and self.choices is not None and boundary in self.choices:
+            variant, codec = self.choices[boundary].rule(direction)
+            if variant == "uncompressed":
+                codec = "identity"
+        elif codec is None:  # a boundary the user left uncompressed
+            variant, codec = "uncompressed", "identity"
+        elif not training:
+            variant = "direct" if o.compress_eval else "uncompressed"
+        else:
+            variant = o.variant
+        return MessageRule(variant, codec, boundary, direction, warm_start=o.warm_start,
+                           store_dtype=o.sample_store_dtype, lazy_threshold=o.lazy_messages,
+                           max_skips=o.max_skips, fresh_codec=o.fresh_codec)
+
+    def after_train_step(self, stats: StepStats, num_microbatches: int, executor: PipelineExecutor,
+                         placement: Placement, module: pl.LightningModule) -> None:
+        """Count the step; after the second one, run autotune (if asked and not decided yet)."""
+        self.train_steps += 1
+        if (self.options.autotune and self.choices is None and self.train_steps == TUNE_AFTER_STEPS
+                and placement.num_stages > 1):
+            self._run(executor, placement, module, stats.compute_s / num_microbatches, num_microbatches)
+
+    def _run(self, executor: PipelineExecutor, placement: Placement, module: pl.LightningModule, compute_s: float,
+             num_microbatches: int) -> None:
+        """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
+        o = self.options
+        tops = {d: None if isinstance(c, dict) else c.name  # a per-boundary map: the default ladder
+                for d, c in (("fwd", o.forward_codec), ("bwd", o.backward_codec))}
+        choices, every = autotune.tune_pipeline(placement.stage, placement.num_stages, placement.rank_of_stage,
+                                                executor.sent_specs, compute_s, o.variant, tops,
+                                                timeout=o.timeout, group=placement.pp_group,
+                                                src=placement.last_rank,
+                                                schedules=self.schedule_candidates(),
+                                                num_microbatches=num_microbatches)
+        if placement.num_replicas > 1:  # every replica probed its own links; all follow replica 0's choice
+            box = [[c.to_wire() for c in choices.values()]]
+            dist.broadcast_object_list(box, 0)
+            choices = {w[0]: autotune.Choice.from_wire(w) for w in box[0]}
+        self.adopt(choices, executor)
+        rank_zero_info("ClappingStrategy autotune (kept for the rest of the run):\n"
+                       + autotune.describe(choices, every))
+        for name, value in autotune.log_values(choices, every).items():
+            pl.LightningModule.log(module, name, value, on_step=True, on_epoch=False)
+
+    def schedule_candidates(self) -> tuple[str, ...]:
+        """The schedules autotune prices: the running one first (kept unless another is clearly faster)."""
+        if not self.options.schedule_auto:
+            return (self.schedule,)
+        return (self.schedule, *(s for s in SCHEDULES if s != self.schedule))
+
+    def adopt(self, choices: dict[int, Any], executor: PipelineExecutor) -> None:
+        """Use autotune's choice from the next step on: its codecs, and with ``schedule="auto"`` its schedule."""
+        self.choices = choices
+        executor.rebuild_rules(training_only=True)
+        chosen = next(iter(choices.values())).schedule if choices else ""
+        if self.options.schedule_auto and chosen and chosen != self.schedule:
+            self.schedule = chosen
+            executor.schedule_fn = get_schedule(chosen)
+
+    def to_wire(self) -> list[Any] | None:
+        """The choice as a checkpoint keeps it (``None`` before autotune decided)."""
+        return [c.to_wire() for c in self.choices.values()] if self.choices else None
+
+    def restore(self, wire: list[Any] | None, executor: PipelineExecutor) -> None:
+        """A resumed run adopts the saved run's choice, so that its error-feedback buffers fit the rules."""
+        if self.options.autotune and wire:
+            self.adopt({w[0]: autotune.Choice.from_wire(w) for w in wire}, executor)
