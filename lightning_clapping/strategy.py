@@ -105,7 +105,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
             direction, with timed probe messages between neighbours), the stages' compute time and the codecs' work
             on the real messages, and give every boundary and direction the least lossy setting, from uncompressed
             up to the codec given above, that keeps the step the timing model predicts for the schedule (compute,
-            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune.tune`). Rank 0 decides,
+            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune.choose`). Rank 0 decides,
             every rank follows; the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
             Needs a compressed ``variant``.
         compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
@@ -366,7 +366,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         stage_setup.isolate_metrics(module, placement.dp_group, patches)
         prepost = self.options.prepost_receives
-        self.executor = PipelineExecutor(self.runner, placement.rank_of_stage, placement.device, self.make_rule,
+        self.executor = PipelineExecutor(self.runner, placement, self.make_rule,
                                          schedule=self.schedule, timeout=self.options.timeout, step_results=True,
                                          prepost=self._process_group_backend == "gloo" if prepost is None else prepost)
         self._byte_stats = ByteStats(placement, self.options.lazy_messages is not None)

@@ -71,11 +71,8 @@ class Tuning:
         o = self.options
         tops = {d: None if isinstance(c, dict) else c.name  # a per-boundary map: the default ladder
                 for d, c in (("fwd", o.forward_codec), ("bwd", o.backward_codec))}
-        choices, every = autotune.tune_pipeline(placement.stage, placement.num_stages, placement.rank_of_stage,
-                                                executor.sent_specs, compute_s, o.variant, tops,
-                                                timeout=o.timeout, group=placement.pp_group,
-                                                src=placement.last_rank,
-                                                schedules=self.schedule_candidates(),
+        choices, every = autotune.tune_pipeline(placement, executor.sent_specs, compute_s, o.variant, tops,
+                                                timeout=o.timeout, schedules=self.schedule_candidates(),
                                                 num_microbatches=num_microbatches)
         if placement.num_replicas > 1:  # every replica probed its own links; all follow replica 0's choice
             box = [[c.to_wire() for c in choices.values()]]
