@@ -98,7 +98,7 @@ class StepDriver:
         return loss
 
     def _finish_step(self, outputs: list[Any], sizes: list[int], stats: StepStats,
-                     fingerprint: tuple[float, ...] | None, info: Any, optimizers: list[Any]) -> Tensor:
+                     fingerprint: tuple[int, ...] | None, info: Any, optimizers: list[Any]) -> Tensor:
         """After the schedule: average over the replicas, take the last stage's results, log, maybe autotune."""
         if self.averager is not None and not _compat.should_accumulate(self.module.trainer):
             # this stage's last backward is done: average over the replicas while the pipeline drains
@@ -199,14 +199,14 @@ class StepDriver:
         rank_zero_info(f"ClappingStrategy: parameters on modules that span stages, by owning stage: {owners}")
 
     # ------------------------------------------------------------------ results and logs
-    def _step_results(self, outputs: list[Any], sizes: list[int], fingerprint: tuple[float, ...] | None) -> bytes:
+    def _step_results(self, outputs: list[Any], sizes: list[int], fingerprint: tuple[int, ...] | None) -> bytes:
         """On the last stage: the step's loss, its logged values and its batch fingerprint, as sent to the others."""
         total = sum(sizes)
         loss = sum(float(_loss(o).detach()) * n for o, n in zip(outputs, sizes)) / total
         self._local_logs = self.relay.combined()
         return pack_results(loss, self.relay.to_wire(self._local_logs), fingerprint)
 
-    def _apply_results(self, blob: bytes, fingerprint: tuple[float, ...] | None) -> Tensor:
+    def _apply_results(self, blob: bytes, fingerprint: tuple[int, ...] | None) -> Tensor:
         """Log the last stage's values on this rank (every rank, so callback metrics agree) and check the batch."""
         loss, wire, last_fingerprint = unpack_results(blob)
         if fingerprint is not None and last_fingerprint is not None:

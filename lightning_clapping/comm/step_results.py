@@ -24,11 +24,11 @@ from lightning_clapping.comm.placement import Placement
 from lightning_clapping.pipeline.executor import StepStats
 
 
-def pack_results(loss: float | None, logs: Any, fingerprint: tuple[float, ...] | None) -> bytes:
+def pack_results(loss: float | None, logs: Any, fingerprint: tuple[int, ...] | None) -> bytes:
     return pickle.dumps((loss, logs, fingerprint), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[float, ...] | None]:
+def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[int, ...] | None]:
     loss, logs, fingerprint = pickle.loads(blob)
     return loss, logs, fingerprint
 
