@@ -249,7 +249,11 @@ class LazySampler:
         """Go on from a ``state_dict``: the source is put back now, the next ``iter()`` resumes at the saved batch."""
         state = dict(state_dict)
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"LazySamplingLoader: unsupported state version {state.get('version')!r}.")
+            raise ValueError(
+                f"LazySamplingLoader: the checkpoint holds lazy-sampling state of version {state.get('version')!r}, "
+                f"this code reads version {_STATE_VERSION} (the layout changed when lazy sampling was "
+                "rewritten). Resume it with the release that wrote it, or start a new run from its weights "
+                "(`Model.load_from_checkpoint(path)` and fit without ckpt_path).")
         for key, value in self._settings().items():
             if state.get(key) != value:
                 warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
