@@ -59,10 +59,18 @@ def has_minilm() -> bool:
     return True
 
 
+def _forked_rank(worker, rank: int, port: int, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the test process's OpenMP threads do not exist in the fork
+    worker(rank, port, out)
+
+
 def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) -> tuple[list, list]:
-    """Spawn ``world`` processes running ``worker(rank, port, queue)`` (a free loopback port for their process
+    """Fork ``world`` processes running ``worker(rank, port, queue)`` (a free loopback port for their process
     group) and collect ``expected`` items from the queue; stops early when every rank has ended. Returns the items
-    and the ranks' exit codes (a rank still running after 30 s is killed: None)."""
+    and the ranks' exit codes (a rank still running after 30 s is killed: None). Forked, the ranks start with
+    what the test process has imported (torch, Lightning, the package) instead of importing it all again."""
     import queue
     import socket
     import time
@@ -72,9 +80,9 @@ def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=_forked_rank, args=(worker, r, port, out)) for r in range(world)]
     for p in procs:
         p.start()
     items, deadline = [], time.monotonic() + timeout
