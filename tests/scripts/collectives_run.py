@@ -5,9 +5,10 @@ python collectives_run.py OUT VARIANT [RUN ...]     RUN: sync | autotune | sync+
 Every rank wraps torch.distributed's collectives before the Trainer exists; then, for each RUN in turn (in the same
 processes), runs 3 stages with Lightning's defaults (checkpointing, logger, progress bar) for one epoch of 8 steps,
 with a module that logs with ``sync_dist=True`` (sync) and/or ``autotune=True``, and writes
-OUT/collectives_{RUN}_rank{r}.json: per training step, the collectives it entered between ``on_train_batch_start`` and ``on_train_batch_end`` (``name(async)`` when
-nothing waited for it), the bytes they carried (tensor bytes; pickled bytes for the object collectives), the loss
-and the callback metrics; and the epoch's ``samples`` (logged with ``reduce_fx="sum", sync_dist=True``).
+OUT/collectives_{RUN}_rank{r}.json: per training step, the collectives it entered between ``on_train_batch_start``
+and ``on_train_batch_end`` (``name(async)`` when nothing waited for it), the bytes they carried (tensor bytes; pickled
+bytes for the object collectives), the loss and the callback metrics; and the epoch's ``samples`` (logged with
+``reduce_fx="sum", sync_dist=True``).
 """
 
 import json
