@@ -15,6 +15,22 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# The tests of the scripts in benchmarks/ (and of the delay link they shape traffic with): marked ``bench``, which
+# pyproject.toml leaves out of ``python -m pytest`` and CI runs as a command of its own (``python -m pytest -m bench``).
+BENCHMARK_TESTS = frozenset({
+    "test_benchmark_quality.py",
+    "test_benchmark_slow_network.py",
+    "test_benchmark_time_to_target.py",
+    "test_benchmarks_smoke.py",
+    "test_delay_link.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in BENCHMARK_TESTS:
+            item.add_marker(pytest.mark.bench)
+
 
 def launch(script: str, *args: str, cwd: Path, timeout: float = 300, expect_ok: bool = True,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -43,10 +59,18 @@ def has_minilm() -> bool:
     return True
 
 
+def _forked_rank(worker, rank: int, port: int, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the test process's OpenMP threads do not exist in the fork
+    worker(rank, port, out)
+
+
 def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) -> tuple[list, list]:
-    """Spawn ``world`` processes running ``worker(rank, port, queue)`` (a free loopback port for their process
+    """Fork ``world`` processes running ``worker(rank, port, queue)`` (a free loopback port for their process
     group) and collect ``expected`` items from the queue; stops early when every rank has ended. Returns the items
-    and the ranks' exit codes (a rank still running after 30 s is killed: None)."""
+    and the ranks' exit codes (a rank still running after 30 s is killed: None). Forked, the ranks start with
+    what the test process has imported (torch, Lightning, the package) instead of importing it all again."""
     import queue
     import socket
     import time
@@ -56,9 +80,9 @@ def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=_forked_rank, args=(worker, r, port, out)) for r in range(world)]
     for p in procs:
         p.start()
     items, deadline = [], time.monotonic() + timeout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,18 @@ def _row(out, case, mode, rank=0):
     return json.loads((out / f"{case}_{mode}_rank{rank}.json").read_text())
 
 
-def test_stages_train_on_the_same_batches_when_they_consume_the_global_rng_differently(tmp_path):
-    launch("fidelity_run.py", str(tmp_path), "rng", "pipe", cwd=tmp_path)
-    last, first = _row(tmp_path, "rng", "pipe", 0)["labels"], _row(tmp_path, "rng", "pipe", 1)["labels"]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The cases that train to the end, in one launch on 2 stages and one on a single device; each test reads its
+    own case (and the batchnorm test the pipeline launch's stderr)."""
+    out = tmp_path_factory.mktemp("fidelity")
+    pipe = launch("fidelity_run.py", str(out), "rng,batchnorm,hparams,epochend", "pipe", cwd=out, timeout=600)
+    launch("fidelity_run.py", str(out), "hparams,epochend", "single", cwd=out, timeout=300)
+    return SimpleNamespace(out=out, pipe_stderr=pipe.stderr)
+
+
+def test_stages_train_on_the_same_batches_when_they_consume_the_global_rng_differently(runs):
+    last, first = _row(runs.out, "rng", "pipe", 0)["labels"], _row(runs.out, "rng", "pipe", 1)["labels"]
     assert len(last) > 12  # 3 lazy epochs of 4 fresh batches each (and reuse steps)
     assert last == first
     assert len({tuple(b) for b in last}) > 4  # reshuffled between epochs
@@ -32,35 +42,31 @@ def test_a_stage_fed_other_data_stops_the_run_with_the_reason(tmp_path):
     assert "trained on another batch than the last stage at step 0" in proc.stderr
 
 
-def test_batchnorm_with_micro_batches_is_warned_about(tmp_path):
-    proc = launch("fidelity_run.py", str(tmp_path), "batchnorm", "pipe", cwd=tmp_path)
-    assert "1 BatchNorm layers (net.1) see one micro-batch at a time" in proc.stderr
+def test_batchnorm_with_micro_batches_is_warned_about(runs):
+    assert "1 BatchNorm layers (net.1) see one micro-batch at a time" in runs.pipe_stderr
 
 
-def test_hyperparameters_holding_the_network_checkpoint_as_in_one_process(tmp_path):
+def test_hyperparameters_holding_the_network_checkpoint_as_in_one_process(runs):
     from fidelity_run import NetHolder
 
-    for mode in ("pipe", "single"):
-        launch("fidelity_run.py", str(tmp_path), "hparams", mode, cwd=tmp_path)
-    trained = torch.load(tmp_path / "hparams_pipe_weights.pt")
-    single = torch.load(tmp_path / "hparams_single_weights.pt")
-    loaded = NetHolder.load_from_checkpoint(_row(tmp_path, "hparams", "pipe")["checkpoint"], weights_only=False)
+    out = runs.out
+    trained = torch.load(out / "hparams_pipe_weights.pt")
+    single = torch.load(out / "hparams_single_weights.pt")
+    loaded = NetHolder.load_from_checkpoint(_row(out, "hparams", "pipe")["checkpoint"], weights_only=False)
     assert isinstance(loaded.hparams.net, torch.nn.Sequential)
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
         torch.testing.assert_close(tensor, single[name], rtol=1e-5, atol=1e-6)
     # the network saved in the hyperparameters is whole as well (it is what load_from_checkpoint rebuilds from)
-    saved = torch.load(_row(tmp_path, "hparams", "pipe")["checkpoint"], weights_only=False)["hyper_parameters"]
+    saved = torch.load(_row(out, "hparams", "pipe")["checkpoint"], weights_only=False)["hyper_parameters"]
     for name, tensor in saved["net"].state_dict().items():
         assert torch.equal(tensor, trained[f"net.{name}"]), name
 
 
-def test_epoch_end_hooks_on_collected_step_outputs_log_as_in_one_process_and_every_rank_gets_predictions(tmp_path):
-    for mode in ("pipe", "single"):
-        launch("fidelity_run.py", str(tmp_path), "epochend", mode, cwd=tmp_path)
-    single = _row(tmp_path, "epochend", "single")
+def test_epoch_end_hooks_on_collected_step_outputs_log_as_in_one_process_and_every_rank_gets_predictions(runs):
+    single = _row(runs.out, "epochend", "single")
     for rank in (0, 1):
-        pipe = _row(tmp_path, "epochend", "pipe", rank)
+        pipe = _row(runs.out, "epochend", "pipe", rank)
         for key in ("train_epoch_loss", "val_acc"):  # sync_dist=True: not divided by the number of stages
             assert pipe["metrics"][key] == pytest.approx(single["metrics"][key], rel=1e-5), (rank, key)
         assert pipe["checkpoint"].endswith(single["checkpoint"].rpartition("/")[2])  # monitored val_acc

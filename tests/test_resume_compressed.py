@@ -11,21 +11,32 @@ from lightning_clapping.comm.channel import HEADER_BYTES
 from conftest import launch
 
 
-def _runs(tmp_path, variant, state_dict_type):
-    launch("resume_run.py", str(tmp_path), "full", variant, "full", cwd=tmp_path)
-    for mode in ("first", "rest"):
-        launch("resume_run.py", str(tmp_path), mode, variant, state_dict_type, cwd=tmp_path)
-    full = json.loads((tmp_path / f"full_{variant}_full.json").read_text())
-    first = json.loads((tmp_path / f"first_{variant}_{state_dict_type}.json").read_text())
-    rest = json.loads((tmp_path / f"rest_{variant}_{state_dict_type}.json").read_text())
-    assert len(full) == 14 and len(first) == 8 and len(rest) == 6
-    assert first[:7] == full[:7] and first[7][0] == full[7][0]  # a run's last step has no numbers logged after it
-    return full, rest
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """``resumed(variant, state_dict_type)``: the uninterrupted run's rows and the resumed run's rows. The run that
+    stops at step 8 shares its launch with the variant's uninterrupted run, which is made once for both checkpoint
+    types (it saves no checkpoint, so the type does not change it); the resumed run starts new processes."""
+    out = tmp_path_factory.mktemp("resume")
+    uninterrupted = {}
+
+    def runs(variant, state_dict_type):
+        modes = "first" if variant in uninterrupted else "full,first"
+        launch("resume_run.py", str(out), modes, variant, state_dict_type, cwd=out)
+        uninterrupted.setdefault(variant, out / f"full_{variant}_{state_dict_type}.json")
+        launch("resume_run.py", str(out), "rest", variant, state_dict_type, cwd=out)
+        full = json.loads(uninterrupted[variant].read_text())
+        first = json.loads((out / f"first_{variant}_{state_dict_type}.json").read_text())
+        rest = json.loads((out / f"rest_{variant}_{state_dict_type}.json").read_text())
+        assert len(full) == 14 and len(first) == 8 and len(rest) == 6
+        assert first[:7] == full[:7] and first[7][0] == full[7][0]  # a run's last step has no numbers logged after it
+        return full, rest
+
+    return runs
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_compressed_resume_mid_window_reproduces_decisions_bytes_and_losses(tmp_path, state_dict_type):
-    full, rest = _runs(tmp_path, "clapping-fc", state_dict_type)
+def test_compressed_resume_mid_window_reproduces_decisions_bytes_and_losses(resumed, state_dict_type):
+    full, rest = resumed("clapping-fc", state_dict_type)
     assert full[8][1] == 0.0, "step 8 must reuse step 7's batch: the checkpoint falls inside a reuse window"
     # same fresh/reuse decisions and exactly the same losses (feedback buffers and sampler state restored)
     assert [r[1] for r in rest] == [r[1] for r in full[8:]]
@@ -36,6 +47,6 @@ def test_compressed_resume_mid_window_reproduces_decisions_bytes_and_losses(tmp_
     assert [r[2] for r in rest[1:]] == [r[2] for r in full[9:]]
 
 
-def test_uncompressed_sharded_resume_reproduces_losses(tmp_path):
-    full, rest = _runs(tmp_path, "uncompressed", "sharded")
+def test_uncompressed_sharded_resume_reproduces_losses(resumed):
+    full, rest = resumed("uncompressed", "sharded")
     assert [r[0] for r in rest] == [r[0] for r in full[8:]]

@@ -1,7 +1,8 @@
 """Training steps wait on no collective: the loss and the logs ride back with the gradients, byte numbers lag a step.
 
 One 3-stage run with Lightning's defaults (checkpointing, logger, progress bar) and a module that logs with
-``sync_dist=True``; every rank counts the collectives it enters inside each training step.
+``sync_dist=True``; every rank counts the collectives it enters inside each training step. The same launch then
+trains again with ``autotune=True``.
 """
 
 import json
@@ -15,10 +16,20 @@ STAGES, STEPS = 3, 8
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def launched(tmp_path_factory):
+    """The folder of the launch that trains twice: logging with sync_dist=True, then with autotune=True."""
     out = tmp_path_factory.mktemp("collectives")
-    launch("collectives_run.py", str(out), "clapping-fc", "sync", cwd=out, timeout=240)
-    return [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(STAGES)]
+    launch("collectives_run.py", str(out), "clapping-fc", "sync", "autotune", cwd=out, timeout=360)
+    return out
+
+
+def _ranks(out, run):
+    return [json.loads((out / f"collectives_{run}_rank{r}.json").read_text()) for r in range(STAGES)]
+
+
+@pytest.fixture(scope="module")
+def ranks(launched):
+    return _ranks(launched, "sync")
 
 
 def test_no_training_step_waits_on_a_collective(ranks):
@@ -55,9 +66,8 @@ def test_byte_numbers_arrive_one_step_late_and_sum_exactly(ranks):
     assert all(run["totals"] == totals for run in ranks)
 
 
-def test_autotune_on_loopback_chooses_uncompressed_for_every_link_after_the_second_step(tmp_path):
-    launch("collectives_run.py", str(tmp_path), "clapping-fc", "autotune", cwd=tmp_path, timeout=240)
-    runs = [json.loads((tmp_path / f"collectives_rank{r}.json").read_text()) for r in range(STAGES)]
+def test_autotune_on_loopback_chooses_uncompressed_for_every_link_after_the_second_step(launched):
+    runs = _ranks(launched, "autotune")
     steps = runs[0]["steps"]
     decided = steps[1]["logged"]  # measured and decided at the end of the second step
     assert {decided[f"autotune/b{m}_compressed"] for m in range(STAGES - 1)} == {0.0}

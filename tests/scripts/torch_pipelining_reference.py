@@ -1,6 +1,9 @@
 """The same one-step gradient computation with torch.distributed.pipelining (an independent implementation).
 
 python torch_pipelining_reference.py DEVICES OUT [--microbatches 4]
+
+The model and its batch are built here and each rank is handed its part, so the ranks import torch only (not
+Lightning, which the model classes need).
 """
 
 import argparse
@@ -11,20 +14,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.nn import functional as F
 
-from _models import SPLITS, build
 
-
-def run(rank, world, port, out, microbatches):
+def run(rank, world, port, out, microbatches, parts, batch):
+    """``parts[rank]``: (index of its first layer in the model's ``net``, the layers)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, (x, y) = build("mlp")
-    cuts = [0] + [int(name.split(".")[1]) for name in SPLITS["mlp"][world]] + [len(model.net)]
-    lo, hi = cuts[rank], cuts[rank + 1]
-    part = nn.Sequential(*model.net[lo:hi])
+    lo, part = parts[rank]
+    x, y = batch
     stage = PipelineStage(part, stage_index=rank, num_stages=world, device=torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=F.cross_entropy)
     if rank == 0:
@@ -41,15 +40,22 @@ def run(rank, world, port, out, microbatches):
 
 
 def main():
+    from torch import nn
+
+    from _models import SPLITS, build
+
     ap = argparse.ArgumentParser()
     ap.add_argument("devices", type=int)
     ap.add_argument("out")
     ap.add_argument("--microbatches", type=int, default=4)
     args = ap.parse_args()
+    model, batch = build("mlp")
+    cuts = [0] + [int(name.split(".")[1]) for name in SPLITS["mlp"][args.devices]] + [len(model.net)]
+    parts = [(lo, nn.Sequential(*model.net[lo:hi])) for lo, hi in zip(cuts, cuts[1:])]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(args.devices, port, args.out, args.microbatches), nprocs=args.devices)
+    mp.spawn(run, args=(args.devices, port, args.out, args.microbatches, parts, batch), nprocs=args.devices)
 
 
 if __name__ == "__main__":
