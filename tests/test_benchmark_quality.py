@@ -68,7 +68,7 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
     reason = _missing(task)
     if reason:
         pytest.skip(f"{task} data missing: {reason}")
-    from lightning_clapping.comm.channel import message_nbytes
+    from lightning_clapping.comm.wire import message_nbytes
 
     _, _, result = tiny
     runs = {r["label"]: r for r in result["runs"] if r["task"] == task}

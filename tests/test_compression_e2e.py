@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lightning_clapping.comm.channel import message_nbytes
+from lightning_clapping.comm.wire import message_nbytes
 from lightning_clapping.codecs import get_codec
 from conftest import launch
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_clapping.comm.channel import HEADER_BYTES
+from lightning_clapping.comm.wire import HEADER_BYTES
 from conftest import launch
 
 

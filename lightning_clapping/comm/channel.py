@@ -31,9 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_clapping.comm.p2p import P2PQueue
-from lightning_clapping.comm.wire import (  # noqa: F401  (message_nbytes: for older imports of it from here)
-    HEADER_BYTES, MAX_MESSAGE_BYTES, WireError, announced_size, message_nbytes, resize_message
-)
+from lightning_clapping.comm.wire import HEADER_BYTES, MAX_MESSAGE_BYTES, WireError, announced_size, resize_message
 
 
 class PeerChannel:

@@ -80,7 +80,7 @@ def test_clapping_fc_with_lazy_sampling_trains_and_sends_compressed_bytes(lazy_r
 
 
 def test_clapping_fc_resumed_mid_window_on_gpus_repeats_decisions_bytes_and_losses(lazy_runs):
-    from lightning_clapping.comm.channel import HEADER_BYTES
+    from lightning_clapping.comm.wire import HEADER_BYTES
 
     full = _rows(lazy_runs, "full", "clapping-fc")
     first, rest = _rows(lazy_runs, "first", "clapping-fc"), _rows(lazy_runs, "rest", "clapping-fc")
