@@ -130,11 +130,11 @@ class PipelineExecutor:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        return self.placement.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.placement.is_last
 
     # ------------------------------------------------------------------ training
     def train_step(
