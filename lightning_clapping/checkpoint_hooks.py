@@ -51,7 +51,9 @@ class StageCheckpoints:
         if self.options.state_dict_type == "sharded":
             return local
         parts = ckpt.gather_to_zero(local, placement.device, group=placement.pp_group)
-        return ckpt.merge_model_states(parts, list(partition.state_stage)) if parts is not None else {}
+        if parts is None:
+            return {}
+        return ckpt.merge_model_states(parts, list(partition.state_stage), [g.keys for g in partition.tied])
 
     def optimizer_state(self, module: pl.LightningModule, optimizer: Any, placement: Placement) -> dict[str, Any]:
         if placement.replica != 0:

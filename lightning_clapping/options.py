@@ -58,6 +58,7 @@ class ClappingOptions:
     log_bytes: bool
     state_dict_type: str
     activation_checkpointing: Any
+    tied_codec: Any = None
 
     @classmethod
     def check(cls, *, split_points: list[str] | None, stages: int | None, ddp_comm_hook: Any, ddp_comm_state: Any,
@@ -66,7 +67,7 @@ class ClappingOptions:
               max_skips: int, sample_store_dtype: torch.dtype | None, freeze_rng: bool,
               process_group_backend: str | None, timeout: timedelta, liveness: timedelta | None,
               prepost_receives: bool | None, log_bytes: bool, state_dict_type: str, start_method: str,
-              activation_checkpointing: Any) -> ClappingOptions:
+              activation_checkpointing: Any, tied_codec: Any = None) -> ClappingOptions:
         """Validate the constructor's arguments (in the order they have always been checked) into options."""
         refuse_spawn(start_method)
         if state_dict_type not in STATE_DICT_TYPES:
@@ -108,6 +109,7 @@ class ClappingOptions:
         if liveness is not None and (not isinstance(liveness, timedelta) or liveness.total_seconds() < 0.4):
             raise ValueError(f"liveness must be a datetime.timedelta of at least 0.4 s (e.g. timedelta(seconds=30)) or "
                              f"None to turn the watchdog off, got {liveness!r}")
+        tied = _check_tied_codec(tied_codec)
         auto = schedule.lower() == "auto"
         return cls(
             split_points=split_points, stages=stages, ddp_comm_hook=ddp_comm_hook, ddp_comm_state=ddp_comm_state,
@@ -117,7 +119,7 @@ class ClappingOptions:
             max_skips=max_skips, sample_store_dtype=sample_store_dtype, freeze_rng=freeze_rng,
             process_group_backend=process_group_backend, timeout=timeout, liveness=liveness,
             prepost_receives=prepost_receives, log_bytes=log_bytes, state_dict_type=state_dict_type,
-            activation_checkpointing=policy,
+            activation_checkpointing=policy, tied_codec=tied,
         )
 
     def num_stages(self, num_ranks: int) -> int:
@@ -177,6 +179,21 @@ def _check_split_points(split_points: Any, stages: Any) -> list[str] | None:
             "split points set the number of stages)"
         )
     return split_points
+
+
+def _check_tied_codec(value: Any) -> Any:
+    """``tied_codec``: None (the tied gradients' sum goes uncompressed) or one codec (any variant: it has its own
+    error feedback). A per-boundary dict makes no sense there: that sum crosses the whole pipeline at once."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        raise TypeError(f"tied_codec compresses the sum of tied gradients, which crosses the whole pipeline, not one "
+                        f"boundary: give one codec (e.g. 'q8' or 'bf16') or None, got {value!r}")
+    try:
+        return get_codec(value)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ValueError(f"tied_codec={value!r} is not a codec: {err}. Give a Codec object, a registry string "
+                         "(lightning_clapping.available_codecs(), e.g. 'q8', 'bf16', 'topk:0.1') or None") from err
 
 
 def _codec_or_map(value: Any, name: str) -> Any:

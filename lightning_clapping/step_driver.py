@@ -29,6 +29,7 @@ from lightning_clapping.comm import failures
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.comm.replicas import GradientAverager
 from lightning_clapping.comm.step_results import ByteStats, pack_results, unpack_results
+from lightning_clapping.comm.ties import TiedGradients
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.options import ClappingOptions
@@ -59,6 +60,10 @@ class StepDriver:
         self._lazy_checked = False
         self._lazy_loader: Any = None
         self._owners_settled = False
+        #: tensors tied across stages: their copies' gradients are summed every optimizer step (comm/ties.py)
+        self.ties = TiedGradients(partition.tied, placement.stage, placement.rank_of_stage, placement.pp_group,
+                                  placement.device, options.tied_codec, options.timeout) if partition.tied else None
+        self._tie_sum_due = False
 
     def patch_hooks(self, patches: Patches) -> None:
         """The epoch-end hooks run on the last stage only, and clipping goes by the whole model's norm."""
@@ -91,6 +96,8 @@ class StepDriver:
         fingerprint = failures.fingerprint(batch) if ctx.fresh and self.placement.num_stages > 1 else None
         results = (lambda outs: self._step_results(outs, sizes, fingerprint)) if self.executor.is_last else None
         with self._reported(), self.precision_plugin.train_step_context(), self._settling_shared_owners():
+            if self.ties is not None:
+                self.ties.sync_copies(module)  # once: every copy of a tied tensor starts from the same values
             outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results)
         loss = self._finish_step(outputs, sizes, stats, fingerprint, info, optimizers)
         if self.executor.is_last and isinstance(outputs[-1], dict):
@@ -100,9 +107,11 @@ class StepDriver:
     def _finish_step(self, outputs: list[Any], sizes: list[int], stats: StepStats,
                      fingerprint: tuple[int, ...] | None, info: Any, optimizers: list[Any]) -> Tensor:
         """After the schedule: average over the replicas, take the last stage's results, log, maybe autotune."""
-        if self.averager is not None and not _compat.should_accumulate(self.module.trainer):
+        last_backward = not _compat.should_accumulate(self.module.trainer)
+        if self.averager is not None and last_backward:
             # this stage's last backward is done: average over the replicas while the pipeline drains
             self.averager.start(_stage_params(optimizers))
+        self._tie_sum_due = self.ties is not None and last_backward
         # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
         blob = self.executor.results if self.placement.num_stages > 1 else self._step_results(outputs, sizes, None)
         loss = self._apply_results(blob, fingerprint)
@@ -115,12 +124,18 @@ class StepDriver:
         """Before clipping and the optimizer step: wait for the replicas' average of the gradients."""
         if self.averager is not None:
             self.averager.finish()
+        if self._tie_sum_due:  # after the replicas' average: every replica then sums the same values
+            assert self.ties is not None
+            self._tie_sum_due = False
+            with self._reported():
+                self.ties.sum_gradients(self.module, self.module.trainer.global_step)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        """Clip by the norm of the whole model's gradient, combined over all stages."""
+        """Clip by the norm of the whole model's gradient, combined over all stages (a tied tensor counted once)."""
         device = self.placement.device
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
+        uncounted = self.ties.uncounted(self.module) if self.ties is not None else set()
+        grads = [p.grad for p in params if id(p) not in uncounted]
         local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
         squared = local.detach().double().pow(2).to(device)
         if self.placement.num_stages > 1:  # the replicas hold the same averaged gradients: their pipeline's is enough
@@ -241,7 +256,8 @@ class StepDriver:
     def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
         extra = {} if info is None else {"clapping/distinct_samples": info.distinct_samples,
                                           "clapping/fresh": float(info.fresh)}
-        values = self.byte_stats.step(stats, extra)  # the previous step's numbers: nothing waits for this step's
+        tied = None if self.ties is None else self.ties.step_bytes(self.module) if self._tie_sum_due else (0, 0)
+        values = self.byte_stats.step(stats, extra, tied)  # the previous step's numbers: nothing waits for this step's
         ratio_on_bar = self.options.variant != "uncompressed"
         for name, value in values.items():
             pl.LightningModule.log(self.module, name, float(value), on_step=True, on_epoch=False,

@@ -166,7 +166,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
         log_bytes: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen",
-        activation_checkpointing: Any = None,
+        activation_checkpointing: Any = None, tied_codec: Any = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -179,7 +179,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
             sample_store_dtype=sample_store_dtype, freeze_rng=freeze_rng, process_group_backend=process_group_backend,
             timeout=timeout, liveness=liveness, prepost_receives=prepost_receives, log_bytes=log_bytes,
             state_dict_type=state_dict_type, start_method=start_method,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, tied_codec=tied_codec,
         )
         self._process_group_backend = process_group_backend
         self._num_nodes = 1

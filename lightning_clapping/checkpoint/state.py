@@ -87,7 +87,11 @@ def _to_cpu(obj: Any) -> Any:
     return tree_unflatten([x.detach().cpu() if isinstance(x, Tensor) else x for x in leaves], spec)
 
 
-def merge_model_states(parts: list[dict[str, Tensor]], order: list[str]) -> dict[str, Tensor]:
+def merge_model_states(parts: list[dict[str, Tensor]], order: list[str],
+                       tied: list[tuple[str, ...]] | None = None) -> dict[str, Tensor]:
+    """The stages' parts as one state dict in ``order`` (the model's own). ``tied``: groups of keys of one tensor
+    held by several stages (identical copies); each group's keys then name one tensor, saved once, as one process
+    saves a tied tensor."""
     merged: dict[str, Tensor] = {}
     for part in parts:
         for k, v in part.items():
@@ -95,6 +99,10 @@ def merge_model_states(parts: list[dict[str, Tensor]], order: list[str]) -> dict
     missing = [k for k in order if k not in merged]
     if missing:
         raise RuntimeError(f"no stage holds {len(missing)} state entries, e.g. {missing[:5]}")
+    for keys in tied or ():
+        present = [k for k in keys if k in merged]
+        for k in present[1:]:
+            merged[k] = merged[present[0]]
     return {k: merged[k] for k in order}
 
 

@@ -8,7 +8,9 @@
   ``all_gather`` started at the end of a step and read at the end of the next one, so nothing waits for it: the
   ``clapping/...`` values logged at step ``t`` describe step ``t - 1`` (the first step logs none), all of them, so
   a logged row describes one step. :meth:`ByteStats.finish` completes the gather in flight (it only waits: every
-  rank started it), after which :attr:`ByteStats.totals` holds the exact sums over every step so far.
+  rank started it), after which :attr:`ByteStats.totals` holds the exact sums over every step so far. The sum of
+  tied gradients (:mod:`lightning_clapping.comm.ties`) crosses the pipeline too: its bytes, which every stage can
+  work out, are passed in as ``tied`` and added to ``bytes`` (and ``raw_bytes``), and shown as ``tied_bytes``.
 """
 
 from __future__ import annotations
@@ -41,25 +43,27 @@ class ByteStats:
         self.placement = placement
         self.num_stages = placement.num_stages
         self.lazy_messages = lazy_messages
-        self._pending: tuple[Any, list[torch.Tensor], dict[str, float]] | None = None
+        self._pending: tuple[Any, list[torch.Tensor], dict[str, float], tuple[float, float] | None] | None = None
         self._ready: dict[str, float] = {}  # values of the last finished gather, not logged yet
-        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "skipped_messages": 0.0,
-                       "fresh_steps": 0.0, "steps": 0}
+        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "tied_bytes": 0.0,
+                       "skipped_messages": 0.0, "fresh_steps": 0.0, "steps": 0}
 
-    def step(self, stats: StepStats, extra: dict[str, float]) -> dict[str, float]:
+    def step(self, stats: StepStats, extra: dict[str, float],
+             tied: tuple[float, float] | None = None) -> dict[str, float]:
         """Start gathering this step's numbers; return the previous step's values to log ({} at the first step).
 
         ``extra`` (numbers every rank knows, such as the lazy sampler's) is returned with its step's numbers, so a
-        logged row always describes one step."""
+        logged row always describes one step. ``tied``: (bytes sent, fp32 bytes) of this step's sum of tied
+        gradients over the whole pipeline (``None``: the model has no tied tensors across stages)."""
         self.finish()
         previous, self._ready = self._ready, {}
         mine = torch.tensor(stats.as_list(), dtype=torch.float64)
         if self.num_stages > 1:
             gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
             work = dist.all_gather(gathered, mine, group=self.placement.pp_group, async_op=True)
-            self._pending = (work, gathered, dict(extra))
+            self._pending = (work, gathered, dict(extra), tied)
         else:
-            self._pending = (None, [mine], dict(extra))
+            self._pending = (None, [mine], dict(extra), tied)
         return previous
 
     def finish(self) -> None:
@@ -67,7 +71,7 @@ class ByteStats:
         :attr:`totals`; its values are logged at the next step."""
         if self._pending is None:
             return
-        work, gathered, extra = self._pending
+        work, gathered, extra, tied = self._pending
         self._pending = None
         if work is not None:
             work.wait()
@@ -75,22 +79,26 @@ class ByteStats:
         index = (lambda s: 0) if self.num_stages == 1 else \
             (lambda s: dist.get_group_rank(p.pp_group or dist.group.WORLD, p.rank_of_stage(s)))
         per_stage = [StepStats.from_list(gathered[index(s)].tolist()) for s in range(self.num_stages)]
-        values = self._values(per_stage)
+        values = self._values(per_stage, tied)
         self.totals["bytes"] += values["clapping/bytes"]
-        self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
+        self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage) + (tied or (0, 0))[1]
+        self.totals["tied_bytes"] += (tied or (0, 0))[0]
         self.totals["control_bytes"] += sum(st.control_bytes for st in per_stage)
         self.totals["skipped_messages"] += sum(st.skipped for st in per_stage)
         self.totals["fresh_steps"] += extra.get("clapping/fresh", 1.0)
         self.totals["steps"] += 1
         self._ready = {**values, **extra}
 
-    def _values(self, per_stage: list[StepStats]) -> dict[str, float]:
+    def _values(self, per_stage: list[StepStats], tied: tuple[float, float] | None) -> dict[str, float]:
         values: dict[str, float] = {}
         for m in range(self.num_stages - 1):
             values[f"clapping/b{m}_fwd_bytes"] = per_stage[m].fwd_bytes  # stage m sends forward over boundary m
             values[f"clapping/b{m}_bwd_bytes"] = per_stage[m + 1].bwd_bytes  # stage m+1 sends backward over it
         sent = sum(st.fwd_bytes + st.bwd_bytes for st in per_stage)
         raw = sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
+        if tied is not None:
+            values["clapping/tied_bytes"] = tied[0]
+            sent, raw = sent + tied[0], raw + tied[1]
         values["clapping/bytes"] = sent
         values["clapping/ratio"] = raw / sent if sent else 1.0
         for d in ("fwd", "bwd"):

@@ -32,6 +32,28 @@ class PartitionError(ValueError):
 
 
 @dataclass(frozen=True)
+class TiedGroup:
+    """One tensor that units of several stages share (tied weights, e.g. an input embedding and an output head).
+
+    Every stage in :attr:`stages` holds its own copy (each trains it; their gradients are summed over those stages
+    every step, see :mod:`lightning_clapping.comm.ties`, so the copies stay identical); a checkpoint saves it once.
+    """
+
+    #: the tensor's state-dict keys, in registration order, and the stage of each
+    keys: tuple[str, ...]
+    key_stages: tuple[int, ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages that hold a copy, in order."""
+        return tuple(sorted(set(self.key_stages)))
+
+    def key_on(self, stage: int) -> str | None:
+        """The first of the keys that ``stage`` holds (None: it holds no copy)."""
+        return next((k for k, s in zip(self.keys, self.key_stages) if s == stage), None)
+
+
+@dataclass(frozen=True)
 class Partition:
     """Which stage owns which part of a model. Built by :func:`build_partition`."""
 
@@ -49,6 +71,8 @@ class Partition:
     #: parameters registered directly on a module whose forward spans stages (``self.pos = nn.Parameter(...)`` on the
     #: LightningModule): every stage holds them; the one stage that uses them owns them (see :meth:`settle_owner`)
     shared_params: tuple[str, ...] = field(default=())
+    #: tensors shared by units of several stages; each of those stages holds a copy (see :class:`TiedGroup`)
+    tied: tuple[TiedGroup, ...] = field(default=())
 
     def settle_owner(self, key: str, users: list[int]) -> None:
         """Give the shared parameter ``key`` to the one stage that uses it (``users``: the stages that did)."""
@@ -298,7 +322,6 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
     # state tensors: a unit's own, or a spanning module's direct buffers (replicated everywhere)
     state_stage: dict[str, int | None] = {}
     shared: list[str] = []
-    owner_of_tensor: dict[int, tuple[str, int]] = {}
     stage_params = [0] * num_stages
     for i in spanning:
         mod_name, module = names[i], modules[names[i]]
@@ -309,25 +332,23 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
             shared.append(key)
         for bname, _ in module.named_buffers(recurse=False):
             state_stage[f"{mod_name}.{bname}" if mod_name else bname] = None
+    names_of_tensor: dict[int, list[tuple[str, int]]] = {}  # parameter -> its (key, stage)s, registration order
     for unit, stage in unit_stage.items():
         module = modules[unit]
         for pname, p in module.named_parameters(remove_duplicate=False):
             key = f"{unit}.{pname}" if unit else pname
-            prev = owner_of_tensor.get(id(p))
-            if prev is not None and prev[1] != stage:
-                raise PartitionError(
-                    f"parameter {key!r} (stage {stage}) is the same tensor as {prev[0]!r} (stage {prev[1]}): tied "
-                    "weights cannot be split across stages. Put both modules in one stage with `split_points`."
-                )
-            if prev is None:
+            held = names_of_tensor.setdefault(id(p), [])
+            if all(s != stage for _, s in held):  # a tied tensor costs every stage that holds a copy
                 stage_params[stage] += p.numel()
-            owner_of_tensor[id(p)] = (key, stage)
+            held.append((key, stage))
             state_stage[key] = stage
         for bname, _ in module.named_buffers(remove_duplicate=False):
             state_stage[f"{unit}.{bname}" if unit else bname] = stage
     # keep only keys that state_dict() actually produces (non-persistent buffers are not saved)
     saved = set(model.state_dict().keys())
     state_stage = {k: v for k, v in state_stage.items() if k in saved}
+    tied = tuple(TiedGroup(tuple(k for k, _ in held), tuple(s for _, s in held))
+                 for held in names_of_tensor.values() if len({s for _, s in held}) > 1)
     return Partition(
         num_stages=num_stages,
         cut_points=tuple(cuts),
@@ -337,6 +358,7 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
         stage_params=tuple(stage_params),
         spanning=tuple(names[i] for i in spanning),
         shared_params=tuple(k for k in shared if k in saved),
+        tied=tied,
     )
 
 
@@ -349,4 +371,4 @@ def count_stage_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["Partition", "PartitionError", "balance", "block_candidates", "build_partition", "count_stage_bytes"]
+__all__ = ["Partition", "PartitionError", "TiedGroup", "balance", "block_candidates", "build_partition", "count_stage_bytes"]

@@ -1,0 +1,121 @@
+"""Hugging Face models with tied weights, wrapped in a LightningModule as their docs show, trained as users do.
+
+python tied_run.py OUT MODE CASE[,CASE...]
+    MODE "pipe": ClappingStrategy, automatic balance, as many processes as the case's stages x replicas
+    MODE "single": a plain Trainer on one device (the reference)
+Several cases run one after the other in the same processes (each from the same seed), as several scripts would.
+
+gpt2:     GPT2LMHeadModel (lm_head.weight is transformer.wte.weight), SGD, Lightning's default checkpointing
+gpt2q:    the same with the tied gradients' sum compressed (tied_codec="q4"), more steps
+bert:     BertForMaskedLM (cls.predictions.decoder.weight is bert.embeddings.word_embeddings.weight)
+replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
+          replicas' batches, as tests/scripts/replicas_run.py does)
+
+Every rank writes OUT/<case>_<mode>_rank<r>.json: per-step losses, the byte totals, the last logged byte values,
+the checkpoint path, and ``copies``: this rank's copy of each tied tensor at the end of training (its own stage's,
+recorded before teardown). Rank 0 also saves the final weights as OUT/<case>_<mode>_weights.pt.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_clapping
+
+VOCAB, SEQ = 97, 16
+TIED = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight"),
+        "bert": ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.decoder.weight")}
+
+
+def build(arch: str):
+    if arch == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(config)
+
+
+class TiedLM(L.LightningModule):
+    def __init__(self, arch: str = "gpt2", lr: float = 0.5):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build(arch)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class Record(L.Callback):
+    def __init__(self, keys):
+        self.keys, self.losses, self.copies = keys, [], {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+    def on_train_end(self, trainer, pl_module):  # before the strategy gathers the model: this stage's own copies
+        params = dict(pl_module.named_parameters(remove_duplicate=False))
+        self.copies = {k: params[k].detach().cpu().clone() for k in self.keys if not params[k].is_meta}
+
+
+CASES = {
+    # name: (arch, stages, replicas, trainer kwargs, strategy kwargs, samples)
+    "gpt2": ("gpt2", 2, 1, {}, {}, 32),
+    "gpt2q": ("gpt2", 2, 1, {}, {"tied_codec": "q4"}, 96),
+    "bert": ("bert", 2, 1, {}, {}, 32),
+    "gpt2x4": ("gpt2", 4, 1, {}, {}, 32),
+    "replicas": ("gpt2", 2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, {}, 32),
+}
+
+
+def run(out: Path, mode: str, case: str) -> None:
+    arch, stages, replicas, trainer_kw, strategy_kw, samples = CASES[case]
+    L.seed_everything(0)
+    model = TiedLM(arch)
+    # counting sequences over the first 10 tokens: something to learn, so the loss falls
+    start = torch.randint(0, 10, (samples, 1), generator=torch.Generator().manual_seed(1))
+    x = (start + torch.arange(SEQ)) % 10
+    dataset = TensorDataset(x)
+    per_step = 8
+    if mode == "pipe":
+        strategy = lightning_clapping.ClappingStrategy(stages=stages, microbatches=2, **strategy_kw)
+        devices, batch = stages * replicas, per_step // replicas
+        data = DataLoader(dataset, batch_size=batch)  # with replicas, Lightning's DistributedSampler shards it
+    else:
+        strategy, devices = "auto", 1
+        sampler = DistributedSampler(dataset, 1, 0, shuffle=True, seed=0) if replicas > 1 else None
+        data = DataLoader(dataset, batch_size=per_step, sampler=sampler)
+    record = Record(TIED[arch])
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, callbacks=[record],
+                        default_root_dir=out / f"{case}_{mode}", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, **trainer_kw)
+    trainer.fit(model, data)
+    rank = trainer.global_rank
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("clapping/")}
+    row = {"losses": record.losses, "metrics": metrics, "checkpoint": trainer.checkpoint_callback.best_model_path,
+           "totals": trainer.strategy.byte_totals if mode == "pipe" else {}, "steps": trainer.global_step}
+    torch.save(record.copies, out / f"{case}_{mode}_copies_rank{rank}.pt")
+    if rank == 0:
+        torch.save(model.state_dict(), out / f"{case}_{mode}_weights.pt")
+    (out / f"{case}_{mode}_rank{rank}.json").write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    for name in sys.argv[3].split(","):
+        run(Path(sys.argv[1]), sys.argv[2], name)
