@@ -41,9 +41,16 @@ class StageCheckpoints:
         self.options = options
         self.sharded_loaded = False
         self.last_feedback: dict[str, Any] = {}
+        #: the other names of each tensor tied across stages -> the name one process keeps (read from the partition
+        #: when the model's state is saved or loaded, which Lightning does before the optimizers')
+        self.tied_alias: dict[str, str] = {}
+
+    def _note_ties(self, partition: Partition) -> None:
+        self.tied_alias = {k: g.keys[0] for g in partition.tied for k in g.keys[1:]}
 
     # ------------------------------------------------------------------ saving
     def model_state(self, module: pl.LightningModule, partition: Partition, placement: Placement) -> dict[str, Any]:
+        self._note_ties(partition)
         if placement.replica != 0:
             return {}
         mine = partition.owned_state_keys(placement.stage)
@@ -63,7 +70,11 @@ class StageCheckpoints:
         if self.options.state_dict_type == "sharded":
             return ckpt.state_by_name(local, ckpt.param_names(module, optimizer))
         parts = ckpt.gather_to_zero(local, placement.device, group=placement.pp_group)
-        return ckpt.merge_optimizer_states(parts) if parts is not None else {}
+        if parts is None:
+            return {}
+        # positions as one process has them: a tied tensor once (each stage lists its own copy apart)
+        names = ckpt.param_names(module, optimizer)
+        return ckpt.one_process_positions(ckpt.merge_optimizer_states(parts), names, self.tied_alias)
 
     def feedback_state(self, executor: PipelineExecutor | None, placement: Placement) -> dict[str, Any]:
         state = executor.feedback_state() if executor is not None else self.last_feedback
@@ -110,6 +121,7 @@ class StageCheckpoints:
                      optimizers: list[Any], fitting: bool, weights_only: bool | None) -> tuple[dict[str, Any], Any]:
         """Every rank reads only its own tensors by name (optimizer states only when ``fitting``); returns the rest
         (``meta.pt``) and this rank's error-feedback buffers."""
+        self._note_ties(partition)
         meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=bool(weights_only))
         saved = ckpt.saved_model_keys(path)
         if module.strict_loading:
@@ -132,6 +144,7 @@ class StageCheckpoints:
 
     def load_model(self, checkpoint: dict[str, Any], module: pl.LightningModule, partition: Partition,
                    stage: int, strict: bool) -> None:
+        self._note_ties(partition)
         mine = partition.owned_state_keys(stage)
         full = checkpoint["state_dict"]
         missing = [k for k in mine if k not in full]
@@ -143,7 +156,8 @@ class StageCheckpoints:
                         device: torch.device) -> None:
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
-            state = ckpt.state_by_position(state, ckpt.param_names(module, optimizer))
+            names = ckpt.param_names(module, optimizer)
+            state = ckpt.stage_positions(ckpt.state_by_position(state, names), names, self.tied_alias, optimizer)
             optimizer.load_state_dict(ckpt.local_optimizer_state(optimizer, state))
             _compat.optimizers_to_device([optimizer], device)
 

@@ -155,19 +155,6 @@ def test_parameter_on_a_module_spanning_stages_is_owned_by_the_stage_that_uses_i
         part.settle_owner("scale", [0, 1])
 
 
-def test_tied_weights_across_stages_are_refused():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.emb.weight
-
-    with pytest.raises(PartitionError, match="tied weights cannot be split"):
-        build_partition(Tied(), 2, ["blocks.1"])
-
-
 def test_split_point_count_must_match_the_number_of_stages():
     with pytest.raises(PartitionError, match="2 split points make 3 stages"):
         build_partition(TinyGPT(), 2, ["blocks.1", "blocks.2"])

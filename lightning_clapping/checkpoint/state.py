@@ -165,6 +165,43 @@ def state_by_position(state_dict: dict[str, Any], names: list[str]) -> dict[str,
     }
 
 
+def one_process_positions(state_dict: dict[str, Any], names: list[str], alias: dict[str, str]) -> dict[str, Any]:
+    """A stage optimizer's state dict (by position) in the layout one process has: without the positions of the
+    parameters named in ``alias`` (the other copies of a tensor tied across stages: each stage lists its copies apart,
+    one process lists the tensor once, under its first name). The copies' states are equal, so nothing is lost."""
+    keep = [i for i, n in enumerate(names) if n not in alias]
+    if len(keep) == len(names):
+        return state_dict
+    new = {old: j for j, old in enumerate(keep)}
+    return {**state_dict,
+            "state": {new[int(i)]: v for i, v in state_dict.get("state", {}).items() if int(i) in new},
+            "param_groups": [{**g, "params": [new[int(i)] for i in g["params"] if int(i) in new]}
+                             for g in state_dict["param_groups"]]}
+
+
+def stage_positions(state_dict: dict[str, Any], names: list[str], alias: dict[str, str],
+                    optimizer: Optimizer) -> dict[str, Any]:
+    """The inverse of :func:`one_process_positions` for this stage's ``optimizer`` (``names``: its parameters' names):
+    a state dict in the one-process layout gets a position for every copy, with the state of the name one process
+    keeps. A state dict that has this stage's layout already is returned as it is."""
+    kept = [n for n in names if n not in alias]
+    count = sum(len(g["params"]) for g in state_dict.get("param_groups", []))
+    if len(kept) == len(names) or count != len(kept):
+        return state_dict
+    source = {n: j for j, n in enumerate(kept)}
+    saved = state_dict.get("state", {})
+    state = {}
+    for i, n in enumerate(names):
+        j = source[alias.get(n, n)]
+        if j in saved:
+            state[i] = saved[j]
+    groups, first = [], 0
+    for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups):
+        groups.append({**saved_group, "params": list(range(first, first + len(group["params"])))})
+        first += len(group["params"])
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
 # ------------------------------------------------------------------------------------------------ sharded folders
 def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any] | None) -> None:
     """Collective: every rank writes its ``tensors`` (nested dicts); ``meta`` (rank 0's) goes to ``meta.pt``."""
@@ -235,10 +272,12 @@ __all__ = [
     "local_optimizer_state",
     "merge_model_states",
     "merge_optimizer_states",
+    "one_process_positions",
     "owned_indices",
     "param_names",
     "save_sharded",
     "saved_model_keys",
+    "stage_positions",
     "state_by_name",
     "state_by_position",
     "whole_hparams_modules",

@@ -8,8 +8,10 @@ Several cases run one after the other in the same processes (each from the same 
 gpt2:     GPT2LMHeadModel (lm_head.weight is transformer.wte.weight), SGD, Lightning's default checkpointing
 gpt2q:    the same with the tied gradients' sum compressed (tied_codec="q4"), more steps
 bert:     BertForMaskedLM (cls.predictions.decoder.weight is bert.embeddings.word_embeddings.weight)
+gpt2x4:   gpt2 on 4 stages (the middle stages hold no copy)
 replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
           replicas' batches, as tests/scripts/replicas_run.py does)
+resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
 
 Every rank writes OUT/<case>_<mode>_rank<r>.json: per-step losses, the byte totals, the last logged byte values,
 the checkpoint path, and ``copies``: this rank's copy of each tied tensor at the end of training (its own stage's,
@@ -81,6 +83,7 @@ CASES = {
     "bert": ("bert", 2, 1, {}, {}, 32),
     "gpt2x4": ("gpt2", 4, 1, {}, {}, 32),
     "replicas": ("gpt2", 2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, {}, 32),
+    "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
 }
 
 
@@ -102,10 +105,12 @@ def run(out: Path, mode: str, case: str) -> None:
         sampler = DistributedSampler(dataset, 1, 0, shuffle=True, seed=0) if replicas > 1 else None
         data = DataLoader(dataset, batch_size=per_step, sampler=sampler)
     record = Record(TIED[arch])
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, callbacks=[record],
+    trainer_kw = {"max_epochs": 1, **trainer_kw}
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[record],
                         default_root_dir=out / f"{case}_{mode}", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, **trainer_kw)
-    trainer.fit(model, data)
+    resume = json.loads((out / "gpt2_pipe_rank0.json").read_text())["checkpoint"] if case == "resume" else None
+    trainer.fit(model, data, ckpt_path=resume)
     rank = trainer.global_rank
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("clapping/")}
     row = {"losses": record.losses, "metrics": metrics, "checkpoint": trainer.checkpoint_callback.best_model_path,
