@@ -212,6 +212,7 @@ def test_load_from_checkpoint_in_one_process_gives_the_trained_model_and_the_fil
 
 def test_one_process_resumes_training_from_the_pipeline_checkpoint(runs):
     row = _row(runs.out, "resume", "single")
+    assert "error" not in row, row.get("error")
     assert row["steps"] == 8 and len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
 
 
