@@ -1,8 +1,8 @@
 """Tied parameters across stages: every stage that uses a tied tensor trains a copy, and the copies stay identical.
 
 A tensor shared by units of several stages (GPT-2's ``lm_head.weight is transformer.wte.weight``: the input
-embedding on the first stage, the output head on the last) is a :class:`~lightning_clapping.pipeline.partition.TiedGroup`
-of the partition. Each of its stages keeps its own copy (releasing the other stages' units replaces the parameter on
+embedding on the first stage, the output head on the last) is a
+:class:`~lightning_clapping.pipeline.partition.TiedGroup` of the partition. Each of its stages keeps its own copy (releasing the other stages' units replaces the parameter on
 those modules only), computes its part of the gradient, and then, after the last backward of a step and before
 clipping and the optimizer step, :meth:`TiedGradients.sum_gradients` makes every copy's gradient the whole one:
 

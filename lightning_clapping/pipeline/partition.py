@@ -371,4 +371,5 @@ def count_stage_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["Partition", "PartitionError", "TiedGroup", "balance", "block_candidates", "build_partition", "count_stage_bytes"]
+__all__ = ["Partition", "PartitionError", "TiedGroup", "balance", "block_candidates", "build_partition",
+           "count_stage_bytes"]
