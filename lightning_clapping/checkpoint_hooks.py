@@ -94,7 +94,7 @@ class StageCheckpoints:
         if parts is not None:
             checkpoint["clapping_feedback"] = {k: v for part in parts for k, v in part.items()}
         if placement.global_rank == 0:
-            ckpt.whole_hparams_modules(checkpoint, module)
+            ckpt.whole_hparams_modules(checkpoint, module, self.tied_alias)
 
     def save_sharded(self, checkpoint: dict[str, Any], path: Path, feedback: dict[str, Any],
                      placement: Placement) -> None:

@@ -80,6 +80,16 @@ def _sum_worker(rank, port, out):
                 ties.sum_gradients(model, step)
                 got[step] = {k: model.get_parameter(g.key_on(rank)).grad.clone()
                              for k, g in enumerate(GROUPS) if g.key_on(rank)}
+            if codec is not None:  # an overflow step (16-bit loss scaling): stage 1's gradient is inf
+                kept = {k: v.clone() for k, v in ties.residuals.items()}
+                for k, g in enumerate(GROUPS):
+                    if rank in g.stages:
+                        p = model.get_parameter(g.key_on(rank))
+                        p.grad = torch.full_like(p, math.inf) if rank == 1 else _grad(2, k, rank, p.shape)
+                ties.sum_gradients(model, 2)
+                got["overflow"] = {k: bool(torch.isnan(model.get_parameter(g.key_on(rank)).grad).all())
+                                   for k, g in enumerate(GROUPS) if g.key_on(rank)}
+                got["residual_kept"] = rank != 1 or torch.equal(ties.residuals[1], kept[1])
             got["bytes"] = ties.step_bytes(model)
             got["residuals"] = sorted(ties.state())
             out.put((codec, rank, got))
@@ -122,6 +132,9 @@ def test_a_compressed_sum_leaves_the_copies_bit_identical_and_keeps_its_residual
             exact = sum(_grad(step, k, s, sums[0].shape) for s in g.stages)
             assert not torch.equal(sums[0], exact)  # really compressed ...
             assert (sums[0] - exact).norm() < 0.5 * exact.norm()  # ... and close
+    for s in range(3):  # stage 1's overflow reaches every copy of its group (NaN), and only those
+        assert summed[("q4", s)]["overflow"] == ({0: False, 1: True} if s != 1 else {1: True})
+        assert summed[("q4", s)]["residual_kept"]
     sent, raw = summed[("q4", 1)]["bytes"]
     assert sent < raw / 2  # tiny tensors: the per-row scales weigh
     assert summed[("q4", 1)]["residuals"] == ["tied.a.bias"] and summed[(None, 1)]["residuals"] == []
@@ -143,7 +156,7 @@ def runs(tmp_path_factory):
     pipeline's checkpoint)."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("tied")
-    launch("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert", cwd=out, timeout=600)
+    launch("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams", cwd=out, timeout=600)
     launch("tied_run.py", str(out), "pipe", "gpt2x4,replicas", cwd=out, timeout=600)
     launch("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume", cwd=out, timeout=600)
     return SimpleNamespace(out=out)
@@ -181,8 +194,8 @@ def test_a_compressed_tied_sum_trains(runs):
     from lightning_clapping.codecs import get_codec
 
     payload = get_codec("q4").payload_nbytes((97, 32), torch.float32)
-    assert row["metrics"]["clapping/tied_bytes"] == 2 * payload < TIE_BYTES / 6
-    assert row["totals"]["tied_bytes"] == 12 * 2 * payload
+    assert row["metrics"]["clapping/tied_bytes"] == 2 * (payload + 1) < TIE_BYTES / 6  # + a byte: finite or not
+    assert row["totals"]["tied_bytes"] == 12 * 2 * (payload + 1)
 
 
 def test_the_tied_sum_is_counted_in_the_byte_totals(runs):
@@ -208,6 +221,16 @@ def test_load_from_checkpoint_in_one_process_gives_the_trained_model_and_the_fil
     assert loaded.model.get_output_embeddings().weight is loaded.model.get_input_embeddings().weight
     for name, tensor in loaded.state_dict().items():
         assert torch.equal(tensor, trained[name]), name
+
+
+def test_a_network_saved_in_the_hyperparameters_comes_back_tied_and_trained(runs):
+    from tied_run import NetHolder
+
+    loaded = NetHolder.load_from_checkpoint(_row(runs.out, "hparams", "pipe")["checkpoint"], weights_only=False)
+    net = loaded.hparams.net  # what load_from_checkpoint rebuilt the model from
+    assert net.lm_head.weight is net.transformer.wte.weight  # one parameter again: one-process training trains it once
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, _weights(runs.out, "hparams", "pipe")[name]), name
 
 
 def test_one_process_resumes_training_from_the_pipeline_checkpoint(runs):

@@ -231,10 +231,20 @@ def load_sharded_entries(path: Path, prefixes: list[str]) -> dict[str, Any]:
     return out
 
 
-def whole_hparams_modules(checkpoint: dict[str, Any], module: nn.Module) -> None:
+def retie(module: nn.Module, alias: dict[str, str]) -> None:
+    """Tie again what the stages held as separate copies: every name in ``alias`` (name -> the first name of its
+    tensor) gets the parameter of its first name, as in the model before it was cut. For a module that received the
+    whole model's state (``load_state_dict(..., assign=True)`` gives each name a parameter of its own)."""
+    for key, first in alias.items():
+        owner, _, name = key.rpartition(".")
+        setattr(module.get_submodule(owner), name, module.get_parameter(first))
+
+
+def whole_hparams_modules(checkpoint: dict[str, Any], module: nn.Module, alias: dict[str, str] | None = None) -> None:
     """Saved hyperparameters that hold one of the model's modules (``__init__(self, net: nn.Module)`` with
     ``save_hyperparameters()``) get a copy of it holding the gathered weights, as a single process saves them:
-    ``load_from_checkpoint`` rebuilds the model from them. (The live module keeps only this rank's stage.)"""
+    ``load_from_checkpoint`` rebuilds the model from them. (The live module keeps only this rank's stage.)
+    ``alias``: the tied names (see :func:`retie`), tied again in the copy."""
     hparams = checkpoint.get("hyper_parameters")
     state = checkpoint.get("state_dict")
     if not isinstance(hparams, dict) or not state:
@@ -246,6 +256,8 @@ def whole_hparams_modules(checkpoint: dict[str, Any], module: nn.Module) -> None
             whole = copy.deepcopy(value)
             whole.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
                                   strict=False, assign=True)
+            retie(whole, {k[len(prefix):]: v[len(prefix):] for k, v in (alias or {}).items()
+                          if k.startswith(prefix) and v.startswith(prefix)})
             hparams[key] = whole
 
 
@@ -273,6 +285,7 @@ __all__ = [
     "merge_model_states",
     "merge_optimizer_states",
     "one_process_positions",
+    "retie",
     "owned_indices",
     "param_names",
     "save_sharded",

@@ -2,8 +2,8 @@
 
 A tensor shared by units of several stages (GPT-2's ``lm_head.weight is transformer.wte.weight``: the input
 embedding on the first stage, the output head on the last) is a
-:class:`~lightning_clapping.pipeline.partition.TiedGroup` of the partition. Each of its stages keeps its own copy (releasing the other stages' units replaces the parameter on
-those modules only), computes its part of the gradient, and then, after the last backward of a step and before
+:class:`~lightning_clapping.pipeline.partition.TiedGroup` of the partition. Each of its stages keeps its own copy
+(releasing the other stages' units replaces the parameter on those modules only), computes its part of the gradient, and then, after the last backward of a step and before
 clipping and the optimizer step, :meth:`TiedGradients.sum_gradients` makes every copy's gradient the whole one:
 
 * every member sends its gradient to every other member, point to point over the pipeline's group;
@@ -14,7 +14,10 @@ clipping and the optimizer step, :meth:`TiedGradients.sum_gradients` makes every
 
 With a codec (``tied_codec=``) each member sends ``C(g + e)`` and keeps the residual ``e = g + e - D(C(g + e))``
 (error feedback, on the sender only); every member decodes every member's payload, its own included, with the same
-codec and seed and adds the decoded values in stage order, so the copies stay identical under compression too.
+codec and seed and adds the decoded values in stage order, so the copies stay identical under compression too. A
+gradient holding inf or NaN (an overflow step under 16-bit loss scaling), which no codec takes, is sent as a payload
+flagged non-finite (one byte after the codec's): every member adds NaN for it, so every copy shows the overflow and
+the loss scaler skips the step everywhere; the residual is kept for the next step.
 
 Per step and group of ``k`` copies the pipeline sends ``k (k - 1)`` payloads (uncompressed: the tensor's bytes), once
 per optimizer step (not per accumulated batch). :meth:`TiedGradients.step_bytes` says how many, for the byte totals.
@@ -107,16 +110,23 @@ class TiedGradients:
             return flat, flat
         residual = self.residuals.get(index)
         target = grad.detach() if residual is None else grad.detach() + residual
+        if not bool(torch.isfinite(target).all()):
+            size = self.codec.payload_nbytes(target.shape, target.dtype)
+            payload = torch.zeros(size + 1, dtype=torch.uint8, device=target.device)
+            payload[-1] = 1
+            return payload, torch.full_like(target, float("nan"))
         seed = _seed(step, index, self.stage)
         payload = self.codec.encode(target, seed=seed)
         decoded = self.codec.decode(payload, target.shape, target.dtype, seed=seed)
         self.residuals[index] = target - decoded
-        return payload, decoded
+        return torch.cat([payload, payload.new_zeros(1)]), decoded
 
     def _decode(self, payload: Tensor, like: Tensor, step: int, index: int, stage: int) -> Tensor:
         if self.codec is None:
             return payload
-        return self.codec.decode(payload, like.shape, like.dtype, seed=_seed(step, index, stage))
+        if bool(payload[-1]):  # the member's gradient was not finite
+            return torch.full_like(like, float("nan"))
+        return self.codec.decode(payload[:-1], like.shape, like.dtype, seed=_seed(step, index, stage))
 
     def _exchange(self, ops: list[dist.P2POp]) -> None:
         queue = P2PQueue(ordered=True, timeout=self.timeout)
@@ -163,7 +173,7 @@ class TiedGradients:
             p = params[g.keys[0]]
             k = len(g.stages)
             payload = (p.numel() * p.element_size() if self.codec is None
-                       else self.codec.payload_nbytes(p.shape, p.dtype))
+                       else self.codec.payload_nbytes(p.shape, p.dtype) + 1)  # + the finite flag
             sent += k * (k - 1) * payload
             raw += k * (k - 1) * p.numel() * 4
         return sent, raw

@@ -11,6 +11,7 @@ bert:     BertForMaskedLM (cls.predictions.decoder.weight is bert.embeddings.wor
 gpt2x4:   gpt2 on 4 stages (the middle stages hold no copy)
 replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
           replicas' batches, as tests/scripts/replicas_run.py does)
+hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
 resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
 
 Every rank writes OUT/<case>_<mode>_rank<r>.json: per-step losses, the byte totals, the last logged byte values,
@@ -64,6 +65,18 @@ class TiedLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
 
+class NetHolder(L.LightningModule):
+    """The most used template's shape: the network is a constructor argument, saved with the hyperparameters."""
+
+    def __init__(self, net: torch.nn.Module, lr: float = 0.5):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = net
+
+    training_step = TiedLM.training_step
+    configure_optimizers = TiedLM.configure_optimizers
+
+
 class Record(L.Callback):
     def __init__(self, keys):
         self.keys, self.losses, self.copies = keys, [], {}
@@ -84,13 +97,14 @@ CASES = {
     "gpt2x4": ("gpt2", 4, 1, {}, {}, 32),
     "replicas": ("gpt2", 2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, {}, 32),
     "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
+    "hparams": ("gpt2", 2, 1, {}, {}, 32),
 }
 
 
 def run(out: Path, mode: str, case: str) -> None:
     arch, stages, replicas, trainer_kw, strategy_kw, samples = CASES[case]
     L.seed_everything(0)
-    model = TiedLM(arch)
+    model = NetHolder(build(arch)) if case == "hparams" else TiedLM(arch)
     # counting sequences over the first 10 tokens: something to learn, so the loss falls
     start = torch.randint(0, 10, (samples, 1), generator=torch.Generator().manual_seed(1))
     x = (start + torch.arange(SEQ)) % 10
