@@ -41,12 +41,12 @@ class StageCheckpoints:
         self.options = options
         self.sharded_loaded = False
         self.last_feedback: dict[str, Any] = {}
-        #: the other names of each tensor tied across stages -> the name one process keeps (read from the partition
-        #: when the model's state is saved or loaded, which Lightning does before the optimizers')
+        #: the other names of each tied tensor -> the name one process keeps (the partition's ``aliases``, noted when
+        #: the model's state is saved or loaded, which Lightning does before the optimizers')
         self.tied_alias: dict[str, str] = {}
 
     def _note_ties(self, partition: Partition) -> None:
-        self.tied_alias = {k: g.keys[0] for g in partition.tied for k in g.keys[1:]}
+        self.tied_alias = dict(partition.aliases)
 
     # ------------------------------------------------------------------ saving
     def model_state(self, module: pl.LightningModule, partition: Partition, placement: Placement) -> dict[str, Any]:

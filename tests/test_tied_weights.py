@@ -156,9 +156,9 @@ def runs(tmp_path_factory):
     pipeline's checkpoint)."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("tied")
-    launch("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams", cwd=out, timeout=600)
+    launch("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams,bert_resume", cwd=out, timeout=600)
     launch("tied_run.py", str(out), "pipe", "gpt2x4,replicas", cwd=out, timeout=600)
-    launch("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume", cwd=out, timeout=600)
+    launch("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume,bert_resume", cwd=out, timeout=600)
     return SimpleNamespace(out=out)
 
 
@@ -233,8 +233,9 @@ def test_a_network_saved_in_the_hyperparameters_comes_back_tied_and_trained(runs
         assert torch.equal(tensor, _weights(runs.out, "hparams", "pipe")[name]), name
 
 
-def test_one_process_resumes_training_from_the_pipeline_checkpoint(runs):
-    row = _row(runs.out, "resume", "single")
+@pytest.mark.parametrize("case, mode", [("resume", "single"), ("bert_resume", "single"), ("bert_resume", "pipe")])
+def test_the_pipeline_checkpoint_resumes_in_one_process_and_on_the_pipeline(runs, case, mode):
+    row = _row(runs.out, case, mode)  # optimizer state as one process lays it out: a tied tensor once
     assert "error" not in row, row.get("error")
     assert row["steps"] == 8 and len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
 

@@ -167,8 +167,8 @@ def state_by_position(state_dict: dict[str, Any], names: list[str]) -> dict[str,
 
 def one_process_positions(state_dict: dict[str, Any], names: list[str], alias: dict[str, str]) -> dict[str, Any]:
     """A stage optimizer's state dict (by position) in the layout one process has: without the positions of the
-    parameters named in ``alias`` (the other copies of a tensor tied across stages: each stage lists its copies apart,
-    one process lists the tensor once, under its first name). The copies' states are equal, so nothing is lost."""
+    parameters named in ``alias`` (the other names of a tied tensor: a stage may list its copies apart, one process
+    lists the tensor once, under its first name). The copies' states are equal, so nothing is lost."""
     keep = [i for i, n in enumerate(names) if n not in alias]
     if len(keep) == len(names):
         return state_dict

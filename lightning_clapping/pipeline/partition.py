@@ -73,6 +73,9 @@ class Partition:
     shared_params: tuple[str, ...] = field(default=())
     #: tensors shared by units of several stages; each of those stages holds a copy (see :class:`TiedGroup`)
     tied: tuple[TiedGroup, ...] = field(default=())
+    #: every other name of a parameter registered under several names (tied, across stages or within one) -> its
+    #: first name, the one ``named_parameters()`` of the whole model lists
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def settle_owner(self, key: str, users: list[int]) -> None:
         """Give the shared parameter ``key`` to the one stage that uses it (``users``: the stages that did)."""
@@ -359,6 +362,7 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
         spanning=tuple(names[i] for i in spanning),
         shared_params=tuple(k for k in shared if k in saved),
         tied=tied,
+        aliases={k: held[0][0] for held in names_of_tensor.values() for k, _ in held[1:]},
     )
 
 

@@ -13,6 +13,7 @@ replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping 
           replicas' batches, as tests/scripts/replicas_run.py does)
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
 resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
+bert_resume: the bert pipeline run's checkpoint resumed for a second epoch (pipe: on 2 stages; single: one process)
 
 Every rank writes OUT/<case>_<mode>_rank<r>.json: per-step losses, the byte totals, the last logged byte values,
 the checkpoint path, and ``copies``: this rank's copy of each tied tensor at the end of training (its own stage's,
@@ -97,6 +98,7 @@ CASES = {
     "gpt2x4": ("gpt2", 4, 1, {}, {}, 32),
     "replicas": ("gpt2", 2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, {}, 32),
     "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
+    "bert_resume": ("bert", 2, 1, {"max_epochs": 2}, {}, 32),
     "hparams": ("gpt2", 2, 1, {}, {}, 32),
 }
 
@@ -123,13 +125,13 @@ def run(out: Path, mode: str, case: str) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[record],
                         default_root_dir=out / f"{case}_{mode}", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, **trainer_kw)
-    resume = json.loads((out / "gpt2_pipe_rank0.json").read_text())["checkpoint"] if case == "resume" else None
+    resume = json.loads((out / f"{arch}_pipe_rank0.json").read_text())["checkpoint"] if "resume" in case else None
     try:
         trainer.fit(model, data, ckpt_path=resume)
     except ValueError as err:  # the resume case reports a checkpoint this process cannot load, for its test
         if resume is None:
             raise
-        (out / f"{case}_{mode}_rank0.json").write_text(json.dumps({"error": str(err)}))
+        (out / f"{case}_{mode}_rank{trainer.global_rank}.json").write_text(json.dumps({"error": str(err)}))
         return
     rank = trainer.global_rank
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("clapping/")}
