@@ -1,9 +1,11 @@
 """Cutting a LightningModule into pipeline stages by module name.
 
 A *cut point* is the fully qualified name of a submodule: the call of that module starts a new stage, and what the
-forward passes to it (its positional and keyword tensors) is what crosses the boundary. Stages follow the order in
-which modules are registered, which for ordinary models is the order in which ``forward`` calls them; the stage
-runner checks that at run time and says so when it is not the case.
+forward passes to it (its positional and keyword tensors) crosses the boundary, with the values computed before the
+cut that later code uses (see :mod:`lightning_clapping.pipeline.crossings`). Modules holding parameters follow the
+order in which they are registered, which for ordinary models is the order in which ``forward`` calls them; the stage
+runner checks that at run time and says so when it is not the case. Modules without parameters or persistent buffers
+(rotary embeddings, mask builders, activations) belong to no stage: they run wherever the forward calls them.
 
 The module tree is then divided into
 
@@ -49,6 +51,9 @@ class Partition:
     #: parameters registered directly on a module whose forward spans stages (``self.pos = nn.Parameter(...)`` on the
     #: LightningModule): every stage holds them; the one stage that uses them owns them (see :meth:`settle_owner`)
     shared_params: tuple[str, ...] = field(default=())
+    #: modules without parameters or persistent buffers (rotary embeddings, mask builders, activations) that would
+    #: otherwise be units: they belong to no stage and run where the forward calls them, on every stage
+    free: tuple[str, ...] = field(default=())
 
     def settle_owner(self, key: str, users: list[int]) -> None:
         """Give the shared parameter ``key`` to the one stage that uses it (``users``: the stages that did)."""
@@ -285,11 +290,16 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
     span_set = set(spanning)
     unit_stage: dict[str, int] = {}
     stateful: set[str] = set()
+    free: list[str] = []
+    cut_set = set(cuts)
     for i, name in enumerate(names):
         if i in span_set:
             continue
         parent = name.rpartition(".")[0] if "." in name else ""
         if name == "" or index.get(parent) in span_set:
+            if name and name not in cut_set and _is_free(modules[name]):
+                free.append(name)  # called where the forward calls it, not where it is registered
+                continue
             unit_stage[name] = stage_at(i)
             m = modules[name]
             if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
@@ -337,7 +347,17 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
         stage_params=tuple(stage_params),
         spanning=tuple(names[i] for i in spanning),
         shared_params=tuple(k for k in shared if k in saved),
+        free=tuple(free),
     )
+
+
+def _is_free(module: nn.Module) -> bool:
+    """No parameters and nothing it saves: it can run on every stage (its non-persistent buffers, such as rotary
+    tables, are recomputed or materialized everywhere), so it need not belong to the stage that registers it."""
+    if _is_metric(module) or any(True for _ in module.parameters()):
+        return False
+    saved = module.state_dict()
+    return not saved
 
 
 def count_stage_bytes(model: nn.Module) -> int:
