@@ -79,6 +79,27 @@ def test_a_value_the_first_step_did_not_move_is_refused_with_the_reason():
         run_stage(runner, model, x, provider=lambda: [torch.randn(3, 4)])
 
 
+class Lengths(nn.Module):
+    """A Python value (a list of ints) computed from stage 0's output and used by stage 1's module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        keep = int((h > 0).sum())
+        return self.b(h)[:keep]
+
+
+def test_a_python_value_made_from_an_earlier_stage_is_refused_naming_it_and_its_user():
+    model = Lengths()
+    runner = runner_for(model, 1, ["b"])
+    with pytest.raises(CrossingError, match=r"`torch.Tensor.__int__` turns the tensor made by `torch.Tensor.sum`.*"
+                                            r"the next module called is 'b'"):
+        runner.discover("train", lambda: model(torch.randn(3, 4)))
+
+
 class Rotary(nn.Module):
     """No parameters, a non-persistent table: belongs to no stage."""
 

@@ -68,6 +68,9 @@ _SHAPED_LIKE = frozenset({
 #: operations whose second tensor argument gives only a dtype, device or shape
 _FIRST_ONLY = frozenset({"torch.Tensor.to", "torch.Tensor.type_as", "torch.Tensor.expand_as",
                          "torch.Tensor.view_as", "torch.Tensor.reshape_as"})
+#: operations that turn a tensor into a Python value, which cannot be followed or sent
+_TO_PYTHON = frozenset(f"torch.Tensor.{n}" for n in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__",
+                                                      "__complex__", "numpy"))
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
                               "__imatmul__"})
@@ -196,6 +199,8 @@ class Crossings:
         self.made: dict[tuple[int, int], Tensor] = {}  # values this stage makes for later stages
         self.needs: dict[tuple[int, int], Need] = {}  # found while discovering
         self.names: dict[int, str] = {}  # event -> operation, for tainted events (messages)
+        #: while discovering: Python values made from tainted tensors before the entry, [operation, maker, user]
+        self.conversions: list[list[str | None]] = []
         self._make = self.plan.made_on(self.stage) if self.plan is not None else {}
 
     # ------------------------------------------------------------------ per micro-batch
@@ -338,6 +343,27 @@ class Crossings:
             if leaf < len(flat) and isinstance(flat[leaf], Tensor):
                 self.made[(event, leaf)] = flat[leaf]
 
+    def _convert(self, name: str, args: tuple) -> None:
+        if self.discovering and args and isinstance(args[0], Tensor):
+            tag = self.origin_of(args[0])
+            if tag is not None:
+                self.conversions.append([name, self.names.get(tag[1], "an operation"), None])
+
+    def _used_by(self, module: str) -> None:
+        for c in self.conversions:
+            if c[2] is None:
+                c[2] = module
+
+    def check_conversions(self, entry: str | None) -> None:
+        """After discovering: refuse a Python value made from an earlier stage's tensor (this stage cannot know it)."""
+        if self.conversions:
+            op, maker, user = self.conversions[0]
+            raise CrossingError(
+                f"stage {self.stage}: `{op}` turns the tensor made by `{maker}`, which an earlier stage computes, into a "
+                f"Python value before the cut at {entry!r}; that value cannot be sent, so code after the cut that uses "
+                f"it (the next module called is {user!r}) would compute with a wrong one. Keep the value a tensor (it "
+                "is then sent to the stages that use it), or cut the model after the code that uses it.")
+
     # ------------------------------------------------------------------ module calls (from the stage wrapper)
     def call_unit(self, name: str, run: Callable[[], Any], skipped: bool) -> Any:
         """One call of a stage's module from the parent's code: one event; ``skipped``: it returns placeholders."""
@@ -345,6 +371,7 @@ class Crossings:
             return run()
         if name in self.cut_index:
             self.region = self.cut_index[name] + 1
+        self._used_by(name)
         event = self._next_event(name, module=True)
         self.unit_depth += 1
         try:
@@ -363,6 +390,7 @@ class Crossings:
         tainted, its output is a placeholder too (``stub``); otherwise it runs here and its operations are followed."""
         if self.unit_depth or self.free_depth:
             return run()
+        self._used_by(name)
         event = self._next_event(name, module=True)
         if not self.inside:
             tensors = list(_tensors((*args, *kwargs.values())))
@@ -416,6 +444,10 @@ class _Mode(TorchFunctionMode):
         tainted = c._tainted(args, kwargs, name)
         out = func(*args, **kwargs)
         if name in _METADATA:
+            return out
+        if name in _TO_PYTHON:
+            if tainted:
+                c._convert(name, args)
             return out
         event = c._next_event(name) if not c.free_depth else -1
         if tainted:

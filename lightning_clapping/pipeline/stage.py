@@ -214,6 +214,7 @@ class StageRunner:
                 except StageExit:
                     pass
                 needs = list(self.crossings.needs.values())
+            self.crossings.check_conversions(self.entry)
         finally:
             with torch.no_grad():
                 for b, saved in buffers:
