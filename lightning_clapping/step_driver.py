@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_clapping import _compat
+from lightning_clapping import _compat, first_pass
 from lightning_clapping import precision
 from lightning_clapping.codecs.feedback import StepContext
 from lightning_clapping.comm import failures
@@ -95,6 +95,9 @@ class StepDriver:
         seed = (lambda j: _mix(_rng_base(), batch_id, stage, j)) if self.options.freeze_rng else None
         fingerprint = failures.fingerprint(batch) if ctx.fresh and self.placement.num_stages > 1 else None
         results = (lambda outs: self._step_results(outs, sizes, fingerprint)) if self.executor.is_last else None
+        if self.executor.needs_plan("train"):
+            with self._reported(), self.precision_plugin.train_step_context(), first_pass.quiet(module, relay):
+                self._report_plan(self.executor.plan_crossings("train", microbatches[0], step))
         with self._reported(), self.precision_plugin.train_step_context(), self._settling_shared_owners():
             if self.ties is not None:
                 self.ties.sync_copies(module)  # once: every copy of a tied tensor starts from the same values
@@ -154,8 +157,11 @@ class StepDriver:
             with relay.capture(sizes[j]):
                 return fn(mb, *args, **kwargs)
 
+        if self.executor.needs_plan(hook):
+            with self._reported(), first_pass.quiet(self.module, relay):
+                self._report_plan(self.executor.plan_crossings(hook, microbatches[0], step))
         with self._reported(), self._settling_shared_owners():
-            outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes))
+            outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes), hook)
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
             self.broadcast_logs()  # evaluation sends nothing backward for its results to ride on
@@ -165,6 +171,11 @@ class StepDriver:
             dist.broadcast_object_list(box, src=placement.last_rank, group=placement.pp_group)
             merged = box[0] if self.executor.is_last else _compat.tree_map_tensors(lambda t: t.to(device), box[0])
         return merged
+
+    @staticmethod
+    def _report_plan(plan: Any) -> None:
+        if plan.needs:
+            rank_zero_info(f"ClappingStrategy: {plan.describe()}")
 
     # ------------------------------------------------------------------ what every step needs
     def _split(self, batch: Any) -> tuple[list[Any], list[int]]:

@@ -267,6 +267,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
     def byte_totals(self) -> dict[str, float]:
         """Sums over the training steps so far, on every rank: ``bytes`` sent between stages (headers and step results
         included), ``raw_bytes`` (the same messages uncompressed, fp32), ``control_bytes`` (the step results),
+        ``crossing_raw_bytes`` (of the raw bytes: values crossing cuts outside the cut modules' inputs),
         ``skipped_messages``, ``fresh_steps`` and ``steps``. Exact up to the last finished step: reading them waits
         for that step's numbers (which the logged values only show a step later)."""
         if self._byte_stats is None:

@@ -76,10 +76,11 @@ def test_strategy_name_is_registered_on_import():
     assert isinstance(trainer.strategy, lightning_clapping.ClappingStrategy)
 
 
-def test_forward_that_cannot_be_split_fails_with_the_reason(tmp_path):
+def test_forward_whose_values_crossing_the_cut_change_between_steps_fails_with_the_reason(tmp_path):
     proc = launch("failing_run.py", "unsplittable", cwd=tmp_path, expect_ok=False, timeout=120)
     assert proc.returncode != 0
-    assert "cannot be cut here" in proc.stderr and "cut module's inputs" in proc.stderr
+    assert "but the first step's forward did not use it here" in proc.stderr
+    assert "make the forward the same on every step, or cut the model elsewhere" in proc.stderr
 
 
 def test_processes_that_cut_the_model_differently_are_refused_before_training(tmp_path):

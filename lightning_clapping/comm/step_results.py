@@ -46,6 +46,7 @@ class ByteStats:
         self._pending: tuple[Any, list[torch.Tensor], dict[str, float], tuple[float, float] | None] | None = None
         self._ready: dict[str, float] = {}  # values of the last finished gather, not logged yet
         self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "tied_bytes": 0.0,
+                       "crossing_raw_bytes": 0.0,
                        "skipped_messages": 0.0, "fresh_steps": 0.0, "steps": 0}
 
     def step(self, stats: StepStats, extra: dict[str, float],
@@ -84,6 +85,7 @@ class ByteStats:
         self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage) + (tied or (0, 0))[1]
         self.totals["tied_bytes"] += (tied or (0, 0))[0]
         self.totals["control_bytes"] += sum(st.control_bytes for st in per_stage)
+        self.totals["crossing_raw_bytes"] += sum(st.crossing_raw_bytes for st in per_stage)
         self.totals["skipped_messages"] += sum(st.skipped for st in per_stage)
         self.totals["fresh_steps"] += extra.get("clapping/fresh", 1.0)
         self.totals["steps"] += 1
@@ -107,6 +109,9 @@ class ByteStats:
             if ref > 0:
                 values[f"clapping/{d}_rel_diff"] = math.sqrt(diff / ref)
         values["clapping/feedback_bytes"] = sum(st.feedback_bytes for st in per_stage)
+        crossing = sum(st.crossing_raw_bytes for st in per_stage)
+        if crossing:
+            values["clapping/crossing_raw_bytes"] = crossing
         if self.lazy_messages:
             values["clapping/skipped_messages"] = sum(st.skipped for st in per_stage)
         return values

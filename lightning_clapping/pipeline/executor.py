@@ -19,6 +19,7 @@ from lightning_clapping.comm.channel import PeerChannel, exchange
 from lightning_clapping.comm.p2p import P2PQueue
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.pipeline import schedule as schedules
+from lightning_clapping.pipeline.crossings import Plan, gather_needs
 from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
 
 PURPOSE_TRAIN_FWD = 1
@@ -45,6 +46,8 @@ class StepStats:
     feedback_bytes: int = 0  # error-feedback state held on this rank (both ends of its boundaries)
     control_bytes: int = 0  # the step results forwarded with the last gradient message (part of bwd_bytes)
     compute_s: float = 0.0  # forward and backward time on this rank, waits for messages left out
+    crossing_raw_bytes: float = 0.0  # the values crossing cuts outside the cut modules' inputs, and their gradients,
+    #                                  uncompressed (part of the raw bytes; see pipeline.crossings)
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, f)) for f in self.__dataclass_fields__]
@@ -101,6 +104,8 @@ class PipelineExecutor:
         self.queue = P2PQueue(ordered=not prepost, timeout=timeout)
         #: messages produced by the last action, (first, after) operations each, sent in the next exchange
         self._outbox: dict[schedules.Message, tuple[list[dist.P2POp], list[dist.P2POp]]] = {}
+        #: per micro-batch, the received crossing values whose gradients this stage sends back
+        self._crossing_bwd: dict[int, list[Tensor]] = {}
         s, n = self.stage, self.num_stages
 
         def chan(peer_stage: int, purpose: int) -> PeerChannel | None:
@@ -135,6 +140,34 @@ class PipelineExecutor:
     @property
     def is_last(self) -> bool:
         return self.placement.is_last
+
+    # ------------------------------------------------------------------ values crossing cuts
+    def needs_plan(self, kind: str) -> bool:
+        """Whether steps of ``kind`` ("train", or the evaluation hook's name) still need their plan of the values
+        that cross cuts besides the cut modules' inputs (see :mod:`lightning_clapping.pipeline.crossings`)."""
+        return self.runner.needs_plan(kind)
+
+    def plan_crossings(self, kind: str, microbatch: Any, step_fn: Callable[[Any, int], Any]) -> Plan:
+        """Collective over the pipeline, once per kind before its first step: every stage runs ``microbatch``
+        without sending (``step_fn(microbatch, 0)``), then the stages exchange what they need as integer tensors."""
+        needs = self.runner.discover(kind, lambda: step_fn(microbatch, 0))
+        plan = Plan(gather_needs(needs, self._all_gather_rows), self.num_stages)
+        assert self.runner.crossings is not None
+        self.runner.crossings.plans[kind] = plan
+        return plan
+
+    def _all_gather_rows(self, rows: Tensor) -> list[Tensor]:
+        """All-gather an int64 (n, k) tensor over the pipeline, ``n`` differing between stages."""
+        group, device = self.placement.pp_group, self.device
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=device)
+        counts = [torch.zeros_like(count) for _ in range(self.num_stages)]
+        dist.all_gather(counts, count, group=group)
+        sizes = [int(c) for c in counts]
+        padded = torch.zeros((max(sizes), rows.shape[1]), dtype=torch.int64, device=device)
+        padded[:rows.shape[0]] = rows.to(device)
+        blocks = [torch.zeros_like(padded) for _ in range(self.num_stages)]
+        dist.all_gather(blocks, padded, group=group)
+        return [b[:n].cpu() for b, n in zip(blocks, sizes)]
 
     # ------------------------------------------------------------------ training
     def train_step(
@@ -177,7 +210,8 @@ class PipelineExecutor:
             if action.kind == "F":
                 received: list[Tensor] = []
                 seed = rng_seed(j) if rng_seed is not None else None
-                out = self._forward(microbatches[j], j, step_fn, self.fwd_in, "fwd_in", ctx, received, seed)
+                out = self._forward(microbatches[j], j, step_fn, self.fwd_in, "fwd_in", ctx, received, seed,
+                                    "train")
                 if self.is_last:
                     loss = _loss_of(out)
                     if self.first_step:
@@ -219,8 +253,8 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ evaluation
     def eval_step(self, microbatches: list[Any], step_fn: Callable[[Any, int], Any],
-                  ctx: StepContext | None = None) -> list[Any]:
-        """Forward only (validation, test, predict). Returns the last stage's step outputs (else [])."""
+                  ctx: StepContext | None = None, kind: str = "eval") -> list[Any]:
+        """Forward only (validation, test, predict: ``kind``). Returns the last stage's step outputs (else [])."""
         ctx = ctx or StepContext()
         n = len(microbatches)
         if self.prepost:
@@ -232,7 +266,7 @@ class PipelineExecutor:
                 self._exchange(action, ctx, training=False)
                 continue
             j = action.microbatch
-            out = self._forward(microbatches[j], j, step_fn, self.eval_in, "eval_in", ctx, None, None)
+            out = self._forward(microbatches[j], j, step_fn, self.eval_in, "eval_in", ctx, None, None, kind)
             if self.is_last:
                 outputs.append(out)
             else:
@@ -243,7 +277,7 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, mb: Any, j: int, step_fn, chan: PeerChannel | None, rule_name: str, ctx: StepContext,
-                 received: list[Tensor] | None, seed: int | None):
+                 received: list[Tensor] | None, seed: int | None, kind: str):
         def provide() -> list[Tensor]:
             assert chan is not None
             t0 = time.perf_counter()
@@ -252,10 +286,13 @@ class PipelineExecutor:
             if received is None:
                 return [t for t, _ in tensors]
             out = []
-            for t, flags in tensors:
+            first_extra = len(tensors) - (self.runner.crossings.received_count() if self.runner.crossings else 0)
+            for i, (t, flags) in enumerate(tensors):
                 if flags & wire.FLAG_REQUIRES_GRAD and t.dtype.is_floating_point:
                     leaf = t.detach().requires_grad_(True)
                     received.append(leaf)
+                    if i >= first_extra:  # its gradient goes back as a crossing value's
+                        self._crossing_bwd.setdefault(j, []).append(leaf)
                     t = leaf.clone()  # a non-leaf view, so the user's code may modify it in place
                 out.append(t)
             return out
@@ -264,7 +301,7 @@ class PipelineExecutor:
         rng = _frozen_rng(seed, self.device) if seed is not None else nullcontext()
         start = time.perf_counter()
         try:
-            with rng, self.runner.microbatch(provide if chan is not None else None):
+            with rng, self.runner.microbatch(provide if chan is not None else None, kind):
                 try:
                     out = step_fn(mb, j)
                 except StageExit:
@@ -274,6 +311,12 @@ class PipelineExecutor:
             return out
         finally:
             self._compute_s += time.perf_counter() - start - waited[0]
+
+    def _crossing_fwd(self) -> int:
+        """How many of the tensors this stage sends forward are values crossing the cut besides the next stage's
+        entry inputs (the last ones of the message)."""
+        plan = self.runner.crossings.plan if self.runner.crossings is not None else None
+        return len(plan.crossing(self.stage)) if plan is not None else 0
 
     def _check_output(self, out: list[Tensor], rule_name: str, j: int) -> None:
         """Refuse NaN in what this stage sends. After the first step only for uncompressed messages: a lossy codec
@@ -326,6 +369,11 @@ class PipelineExecutor:
         self._outbox[message] = chan.send_ops(j, wire.pack(parts, self.device), mode)
         raw = wire.uncompressed_nbytes(tensors, attachment)
         direction = "bwd" if rule_name == "bwd_out" else "fwd"
+        crossing = self._crossing_fwd() if direction == "fwd" else self._crossing_bwd.pop(j, [])
+        if crossing:
+            extra = tensors[-crossing:] if direction == "fwd" else crossing
+            stats.crossing_raw_bytes += sum(t.numel() * 4 if t.dtype.is_floating_point else
+                                            t.numel() * t.element_size() for t in extra)
         setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + chan.bytes_sent - before)
         setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
 

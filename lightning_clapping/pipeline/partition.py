@@ -1,9 +1,11 @@
 """Cutting a LightningModule into pipeline stages by module name.
 
 A *cut point* is the fully qualified name of a submodule: the call of that module starts a new stage, and what the
-forward passes to it (its positional and keyword tensors) is what crosses the boundary. Stages follow the order in
-which modules are registered, which for ordinary models is the order in which ``forward`` calls them; the stage
-runner checks that at run time and says so when it is not the case.
+forward passes to it (its positional and keyword tensors) crosses the boundary, with the values computed before the
+cut that later code uses (see :mod:`lightning_clapping.pipeline.crossings`). Modules holding parameters follow the
+order in which they are registered, which for ordinary models is the order in which ``forward`` calls them; the stage
+runner checks that at run time and says so when it is not the case. Modules without parameters or persistent buffers
+(rotary embeddings, mask builders, activations) belong to no stage: they run wherever the forward calls them.
 
 The module tree is then divided into
 
@@ -76,6 +78,9 @@ class Partition:
     #: every other name of a parameter registered under several names (tied, across stages or within one) -> its
     #: first name, the one ``named_parameters()`` of the whole model lists
     aliases: dict[str, str] = field(default_factory=dict)
+    #: modules without parameters or persistent buffers (rotary embeddings, mask builders, activations) that would
+    #: otherwise be units: they belong to no stage and run where the forward calls them, on every stage
+    free: tuple[str, ...] = field(default=())
 
     def settle_owner(self, key: str, users: list[int]) -> None:
         """Give the shared parameter ``key`` to the one stage that uses it (``users``: the stages that did)."""
@@ -312,11 +317,16 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
     span_set = set(spanning)
     unit_stage: dict[str, int] = {}
     stateful: set[str] = set()
+    free: list[str] = []
+    cut_set = set(cuts)
     for i, name in enumerate(names):
         if i in span_set:
             continue
         parent = name.rpartition(".")[0] if "." in name else ""
         if name == "" or index.get(parent) in span_set:
+            if name and name not in cut_set and _is_free(modules[name]):
+                free.append(name)  # called where the forward calls it, not where it is registered
+                continue
             unit_stage[name] = stage_at(i)
             m = modules[name]
             if any(True for _ in m.parameters()) or any(True for _ in m.buffers()):
@@ -363,7 +373,17 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
         shared_params=tuple(k for k in shared if k in saved),
         tied=tied,
         aliases={k: held[0][0] for held in names_of_tensor.values() for k, _ in held[1:]},
+        free=tuple(free),
     )
+
+
+def _is_free(module: nn.Module) -> bool:
+    """No parameters and nothing it saves: it can run on every stage (its non-persistent buffers, such as rotary
+    tables, are recomputed or materialized everywhere), so it need not belong to the stage that registers it."""
+    if _is_metric(module) or any(True for _ in module.parameters()):
+        return False
+    saved = module.state_dict()
+    return not saved
 
 
 def count_stage_bytes(model: nn.Module) -> int:

@@ -12,10 +12,11 @@ makes a rank one *stage* is a thin wrapper around the ``forward`` of every unit 
 * at the next stage's first module (the *exit*) the tensors the forward would pass in are captured for sending and
   the step is abandoned with :class:`StageExit`.
 
-So the boundary between stages is the call of a cut module: exactly the tensors given to it cross the wire, extra
-inputs such as attention masks included. The user's Python code between modules (reshapes, pooling, loss) runs as
-written; anything computed before the cut that is used after it without passing through the cut module would be a
-NaN placeholder, which :meth:`check_finite` reports as a model that cannot be cut there.
+So the boundary between stages is the call of a cut module: the tensors given to it cross the wire, extra inputs
+such as attention masks included. The user's Python code between modules (reshapes, pooling, loss) runs as written.
+A value computed before the cut and used after it without passing through the cut module (a residual in the parent's
+loop, an encoder's memory) is found by following the parent's code and sent along (see
+:mod:`lightning_clapping.pipeline.crossings`); modules without parameters run wherever they are called.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_clapping.pipeline import recompute as checkpointing
 from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
+from lightning_clapping.pipeline.crossings import Crossings, CrossingError, Need
 from lightning_clapping.pipeline.partition import Partition, PartitionError
 
 
@@ -74,6 +76,8 @@ class StageRunner:
         #: this stage's checkpointed submodules (see :mod:`lightning_clapping.pipeline.recompute`)
         self.checkpointed = checkpointing.targets(module, partition, stage, activation_checkpointing)
         self._saved_checkpointed: dict[str, Any] = {}
+        #: provenance of the parent's code and the values that cross cuts outside the cut modules' inputs
+        self.crossings = Crossings(stage, partition.cut_points) if partition.num_stages > 1 else None
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -81,12 +85,13 @@ class StageRunner:
         itself gets the stage wrapper around its checkpointed forward, so the recompute runs the plain module)."""
         for name in self.checkpointed:
             self._saved_checkpointed[name] = checkpointing.wrap(self._modules[name])
-        for name in self.partition.unit_stage:
+        for name in (*self.partition.unit_stage, *self.partition.free):
             if name == "":
                 continue
             unit = self._modules[name]
             self._saved_forwards[name] = unit.__dict__.get("forward")
-            unit.forward = self._wrap(name, unit.forward)
+            wrap = self._wrap_free if name in self.partition.free else self._wrap
+            unit.forward = wrap(name, unit.forward)
 
     def uninstall(self) -> None:
         for name, saved in self._saved_forwards.items():
@@ -111,14 +116,20 @@ class StageRunner:
 
     # ------------------------------------------------------------------ per micro-batch
     @contextmanager
-    def microbatch(self, provider: Callable[[], list[Tensor]] | None):
-        """Run one micro-batch's step; ``provider`` returns the received boundary tensors (stages > 0)."""
+    def microbatch(self, provider: Callable[[], list[Tensor]] | None, kind: str = "train",
+                   discovering: bool = False):
+        """Run one micro-batch's step; ``provider`` returns the received boundary tensors (stages > 0). ``kind``
+        names the step's plan of crossing values (see :meth:`discover`)."""
         self.state = _INSIDE if self.stage == 0 else _BEFORE
         self.captured = None
         self._provider = provider
+        if self.crossings is not None:
+            self.crossings.begin(kind, discovering)
         try:
             yield self
         finally:
+            if self.crossings is not None:
+                self.crossings.end()
             reached = self.state != _BEFORE
             self.state = _IDLE
             self._provider = None
@@ -170,12 +181,48 @@ class StageRunner:
             yield used
 
     def captured_tensors(self) -> list[Tensor]:
+        """What this stage sends on: the next stage's entry inputs, then the values the plan moves (see
+        :mod:`~lightning_clapping.pipeline.crossings`)."""
         if self.captured is None:
             raise SplitError(
                 f"stage {self.stage}'s step finished without calling {self.exit!r}, the first module of stage "
                 f"{self.stage + 1}; the model cannot be cut there (is that module only called conditionally?)"
             )
-        return tensor_leaves(self.captured)
+        return tensor_leaves(self.captured) + (self.crossings.outgoing() if self.crossings is not None else [])
+
+    def needs_plan(self, kind: str) -> bool:
+        return self.crossings is not None and kind not in self.crossings.plans
+
+    def discover(self, kind: str, run: Callable[[], Any]) -> list[Need]:
+        """Run one micro-batch's step (``run``) without sending or receiving, to find the values computed before
+        this stage's entry that its own code uses (see :mod:`~lightning_clapping.pipeline.crossings`).
+
+        Nothing of the run is kept: its graph is dropped without a backward, and the module's buffers (e.g. running
+        statistics fed with placeholders) and torch's random streams are put back afterwards. Stage 0 has nothing
+        before it."""
+        if self.crossings is None or self.stage == 0:
+            return []
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers() if b.device.type != "meta"]
+        cpu_rng = torch.get_rng_state()
+        cuda = [(d, torch.cuda.get_rng_state(d)) for d in range(torch.cuda.device_count())] \
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        try:
+            # with gradients enabled, as in the real step (some forwards take another path under no_grad)
+            with self.microbatch(None, kind, discovering=True):
+                try:
+                    run()
+                except StageExit:
+                    pass
+                needs = list(self.crossings.needs.values())
+            self.crossings.check_conversions(self.entry)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            torch.set_rng_state(cpu_rng)
+            for d, state in cuda:
+                torch.cuda.set_rng_state(state, d)
+        return needs
 
     # ------------------------------------------------------------------ the wrapper
     def _wrap(self, name: str, original: Callable) -> Callable:
@@ -187,10 +234,13 @@ class StageRunner:
             state = runner.state
             if state == _IDLE:
                 return original(*args, **kwargs)
+            crossings = runner.crossings
             if name == runner.exit:
                 if state != _INSIDE:
                     raise SplitError(f"{name!r} (first module of stage {runner.stage + 1}) ran before stage "
                                      f"{runner.stage} started; forward calls modules out of registration order")
+                if crossings is not None:
+                    args, kwargs = crossings.real_values((args, kwargs), f"{name!r}")
                 runner.captured = (args, kwargs)
                 raise StageExit
             if name == runner.entry:
@@ -199,9 +249,15 @@ class StageRunner:
                         f"{name!r}, the first module of stage {runner.stage}, was called twice in one step; "
                         "a pipeline stage boundary can be crossed once per micro-batch"
                     )
-                args, kwargs = runner._substitute(name, args, kwargs)
-                runner.state = _INSIDE
-                return original(*args, **kwargs)
+
+                def enter() -> Any:
+                    a, k = runner._substitute(name, args, kwargs)
+                    runner.state = _INSIDE
+                    if crossings is not None:
+                        crossings.inside = True
+                    return original(*a, **k)
+
+                return crossings.call_unit(name, enter, skipped=False) if crossings is not None else enter()
             if state == _BEFORE:
                 if stateful and unit_stage >= runner.stage:
                     raise SplitError(
@@ -209,6 +265,8 @@ class StageRunner:
                         f"first module of stage {runner.stage}: modules are called in a different order than they are "
                         "registered. Pass `split_points` that follow the call order."
                     )
+                if crossings is not None:
+                    return crossings.call_unit(name, lambda: runner._stub(name, original, args, kwargs), True)
                 return runner._stub(name, original, args, kwargs)
             if stateful and unit_stage != runner.stage:
                 where = "after the cut into" if unit_stage < runner.stage else "before the end of"
@@ -218,20 +276,48 @@ class StageRunner:
                     "its own trip through the pipeline), or a module is reused at two places of the model or "
                     "called out of order (put all its uses in one stage with `split_points`)."
                 )
+            if crossings is not None:
+                args, kwargs = crossings.real_values((args, kwargs), f"{name!r}")
+                return crossings.call_unit(name, lambda: original(*args, **kwargs), False)
             return original(*args, **kwargs)
 
         return forward
 
+    def _wrap_free(self, name: str, original: Callable) -> Callable:
+        """A module without parameters or saved state: it runs where the forward calls it, on every stage (its
+        operations are followed like the parent's; see :meth:`Crossings.call_free`)."""
+        runner = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            crossings = runner.crossings
+            if runner.state == _IDLE or crossings is None:
+                return original(*args, **kwargs)
+            return crossings.call_free(name, lambda: original(*args, **kwargs),
+                                       lambda: runner._stub(name, original, args, kwargs), args, kwargs)
+
+        return forward
+
     def _substitute(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        assert self._provider is not None
-        received = self._provider()
+        """The entry's inputs replaced by the received tensors; the values the plan sends besides them are handed
+        to :class:`Crossings` (while discovering nothing is received and the placeholders stay)."""
+        crossings = self.crossings
         leaves, spec = tree_flatten((args, kwargs))
         slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
-        if len(slots) != len(received):
+        if crossings is not None and crossings.discovering:
+            crossings.available([leaves[i] for i in slots])
+            return args, kwargs
+        assert self._provider is not None
+        received = self._provider()
+        extra = crossings.received_count() if crossings is not None else 0
+        if len(slots) + extra != len(received):
             raise SplitError(
                 f"stage {self.stage} received {len(received)} tensors for {name!r} but its call here passes "
-                f"{len(slots)}: the stages disagree about the inputs of the cut module"
+                f"{len(slots)}{f' and the plan adds {extra}' if extra else ''}: the stages disagree about the "
+                "inputs of the cut module"
             )
+        if crossings is not None:
+            crossings.alias([leaves[i] for i in slots], received[:len(slots)])
+            crossings.accept(received[len(slots):])
         for i, t in zip(slots, received):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
@@ -363,4 +449,5 @@ def check_finite(tensors: list[Tensor], what: str, first_step: bool) -> None:
             raise SplitError(f"{what}: tensor {i} of shape {tuple(t.shape)} holds NaN.{hint}")
 
 
-__all__ = ["PartitionError", "SplitError", "StageExit", "StageRunner", "check_finite", "tensor_leaves"]
+__all__ = ["CrossingError", "PartitionError", "SplitError", "StageExit", "StageRunner", "check_finite",
+           "tensor_leaves"]
