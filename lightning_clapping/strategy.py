@@ -265,11 +265,10 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
 
     @property
     def byte_totals(self) -> dict[str, float]:
-        """Sums over the training steps so far, on every rank: ``bytes`` sent between stages (headers and step results
-        included), ``raw_bytes`` (the same messages uncompressed, fp32), ``control_bytes`` (the step results),
-        ``crossing_raw_bytes`` (of the raw bytes: values crossing cuts outside the cut modules' inputs),
-        ``skipped_messages``, ``fresh_steps`` and ``steps``. Exact up to the last finished step: reading them waits
-        for that step's numbers (which the logged values only show a step later)."""
+        """Sums over the training steps so far, on every rank: ``bytes`` sent (headers, results, tied sums included),
+        ``raw_bytes`` (uncompressed, fp32), ``control_bytes`` (step results), ``tied_bytes``, ``crossing_raw_bytes``
+        (values crossing cuts besides the cut modules' inputs, uncompressed), ``skipped_messages``, ``fresh_steps``
+        and ``steps``. Exact up to the last finished step (the logged values show it a step later)."""
         if self._byte_stats is None:
             return {}
         self._byte_stats.finish()
