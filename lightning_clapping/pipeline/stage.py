@@ -106,10 +106,19 @@ class StageRunner:
         self._saved_checkpointed.clear()
 
     def release_foreign_state(self) -> None:
-        """Move the parameters and buffers of other stages' units to the meta device (frees their memory)."""
+        """Move the parameters and buffers of other stages' units to the meta device (frees their memory).
+
+        ``Module.to`` gives every module its own new parameter, which unties a tensor registered under two names;
+        the released ones are tied again (a tie between a released and a kept module stays cut: that is a tied
+        copy, see :class:`~lightning_clapping.pipeline.partition.TiedGroup`)."""
         for name, stage in self.partition.unit_stage.items():
             if stage != self.stage and name in self.partition.stateful_units:
                 self._modules[name].to("meta")
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        for alias, first in self.partition.aliases.items():
+            if params[alias].device.type == "meta" and params[first].device.type == "meta":
+                owner, _, leaf = alias.rpartition(".")
+                setattr(self._modules[owner], leaf, params[first])
 
     def own_units(self) -> list[nn.Module]:
         return [self._modules[n] for n, s in self.partition.unit_stage.items() if s == self.stage]
