@@ -263,6 +263,12 @@ def _replay(order: list[int], calls: list[_Call], seeds: list[int], dense: dict,
         torch.set_default_dtype(call.dtype)
         try:
             out = call.func(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - re-raised with what was being replayed
+            raise MaterializeError(
+                f"replaying {getattr(call.func, '__qualname__', call.func)}, which the model's construction called on "
+                f"the meta device, failed on {device}: {type(err).__name__}: {err}. Build that module eagerly, or give "
+                "it a reset_parameters() and build it under torch.device('meta') (then that method initialises it)."
+            ) from err
         finally:
             torch.set_default_dtype(previous)
         for ref, x in zip(call.outs, tree_flatten(out)[0]):
