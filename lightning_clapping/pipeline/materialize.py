@@ -316,9 +316,14 @@ def _direct_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
 def _initialiser(module: nn.Module):
     for hook in ("reset_parameters", "_reset_parameters", "init_weights"):
         fn = getattr(module, hook, None)
-        if callable(fn):
+        if callable(fn) and not (hook == "init_weights" and _is_hf(module)):  # Hugging Face's: the whole model's
             return fn
     return None
+
+
+def _is_hf(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and \
+        any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
 
 
 def _hf_owner(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
@@ -326,8 +331,7 @@ def _hf_owner(name: str, modules: dict[str, nn.Module]) -> nn.Module | None:
     parts = name.split(".") if name else []
     for i in range(len(parts), -1, -1):
         m = modules.get(".".join(parts[:i]))
-        if m is not None and callable(getattr(m, "_init_weights", None)) and \
-                any(c.__name__ == "PreTrainedModel" for c in type(m).__mro__):
+        if m is not None and _is_hf(m):
             return m
     return None
 
