@@ -6,7 +6,7 @@
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.codecs.feedback import VARIANTS
-from lightning_clapping.pipeline.materialize import MaterializeError, materialize_module
+from lightning_clapping.pipeline.materialize import MaterializeError, building_on_meta, materialize_module
 from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
 from lightning_clapping.pipeline.stage import SplitError
 from lightning_clapping.strategy import ClappingStrategy
@@ -29,6 +29,7 @@ __all__ = [
     "PartitionError",
     "SplitError",
     "available_codecs",
+    "building_on_meta",
     "build_partition",
     "get_codec",
     "materialize_module",

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.default_planner import (  # noqa: F401
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as dcp_load_state_dict  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401 - stage.py: shapes of skipped modules
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: F401 - materialize.py: a storage's identity
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: F401
 
 
@@ -68,6 +69,26 @@ def default_store():
         return None
 
 
+def restore_weights_only(module, weights_only):
+    """The ``weights_only`` a checkpoint restore should use. Lightning 2.6's ``Trainer._run`` drops the one given to
+    ``fit``/``validate``/``test``/``predict`` when the strategy restores after setup (it calls private
+    ``_restore_modules_and_callbacks(ckpt_path)`` without it), so it is read from that call's frame; ``weights_only``
+    itself when given, or when no such frame is found."""
+    import sys
+
+    trainer = getattr(module, "_trainer", None)
+    if weights_only is not None or trainer is None:
+        return weights_only
+    runs = [cls.__dict__["_run"] for cls in type(trainer).__mro__ if "_run" in cls.__dict__]
+    codes = {getattr(run, "__code__", None) for run in runs}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes and frame.f_locals.get("self") is trainer:
+            return frame.f_locals.get("weights_only")
+        frame = frame.f_back
+    return None
+
+
 def accelerator_connector(trainer):
     """The trainer's private ``_accelerator_connector``, whose ``use_distributed_sampler`` the data connector reads."""
     return trainer._accelerator_connector
@@ -81,7 +102,9 @@ def set_metric_step_value(metric, value) -> None:
 __all__ = [
     "EmptyStateDictLoadPlanner",
     "FakeTensorMode",
+    "StorageWeakRef",
     "accelerator_connector",
+    "restore_weights_only",
     "default_store",
     "dcp_load_state_dict",
     "set_metric_step_value",

@@ -9,6 +9,7 @@ against the processes the Trainer starts, once Lightning knows how many.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -59,6 +60,8 @@ class ClappingOptions:
     state_dict_type: str
     activation_checkpointing: Any
     tied_codec: Any = None
+    #: submodule name ("" for the whole LightningModule) -> safetensors checkpoint read after materializing
+    pretrained: dict[str, str] | None = None
 
     @classmethod
     def check(cls, *, split_points: list[str] | None, stages: int | None, ddp_comm_hook: Any, ddp_comm_state: Any,
@@ -67,7 +70,7 @@ class ClappingOptions:
               max_skips: int, sample_store_dtype: torch.dtype | None, freeze_rng: bool,
               process_group_backend: str | None, timeout: timedelta, liveness: timedelta | None,
               prepost_receives: bool | None, log_bytes: bool, state_dict_type: str, start_method: str,
-              activation_checkpointing: Any, tied_codec: Any = None) -> ClappingOptions:
+              activation_checkpointing: Any, tied_codec: Any = None, pretrained: Any = None) -> ClappingOptions:
         """Validate the constructor's arguments (in the order they have always been checked) into options."""
         refuse_spawn(start_method)
         if state_dict_type not in STATE_DICT_TYPES:
@@ -119,7 +122,7 @@ class ClappingOptions:
             max_skips=max_skips, sample_store_dtype=sample_store_dtype, freeze_rng=freeze_rng,
             process_group_backend=process_group_backend, timeout=timeout, liveness=liveness,
             prepost_receives=prepost_receives, log_bytes=log_bytes, state_dict_type=state_dict_type,
-            activation_checkpointing=policy, tied_codec=tied,
+            activation_checkpointing=policy, tied_codec=tied, pretrained=_check_pretrained(pretrained),
         )
 
     def num_stages(self, num_ranks: int) -> int:
@@ -194,6 +197,22 @@ def _check_tied_codec(value: Any) -> Any:
     except (KeyError, ValueError, TypeError) as err:
         raise ValueError(f"tied_codec={value!r} is not a codec: {err}. Give a Codec object, a registry string "
                          "(lightning_clapping.available_codecs(), e.g. 'q8', 'bf16', 'topk:0.1') or None") from err
+
+
+def _check_pretrained(value: Any) -> dict[str, str] | None:
+    """A checkpoint path (str or os.PathLike) for the whole LightningModule, or {submodule name: path}."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        value = {"": value}
+    if not isinstance(value, dict) or not value or not all(
+            isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in value.items()):
+        raise TypeError(
+            f"pretrained must be the path of a safetensors checkpoint (a .safetensors file, or a folder with "
+            f"model.safetensors or model.safetensors.index.json) or a dict from submodule name to such a path, e.g. "
+            f"{{'model': '/checkpoints/llama-7b'}}; got {value!r}"
+        )
+    return {k: os.fspath(v) for k, v in value.items()}
 
 
 def _codec_or_map(value: Any, name: str) -> Any:

@@ -10,6 +10,9 @@ stage of a meta-built model, and sets the attributes the run needs (on the modul
 from __future__ import annotations
 
 import logging
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,10 +23,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_clapping import _compat
 from lightning_clapping import precision
+from lightning_clapping.checkpoint.state import gather_to_zero
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.options import ClappingOptions
-from lightning_clapping.pipeline.materialize import materialize
+from lightning_clapping.pipeline.materialize import building_on_meta, materialize
 from lightning_clapping.pipeline.partition import Partition, build_partition
 from lightning_clapping.pipeline.stage import StageRunner
 
@@ -81,7 +85,7 @@ def build_stage(trainer: pl.Trainer, module: pl.LightningModule, options: Clappi
     options.check_codec_boundaries(placement.num_stages)
     runner = StageRunner(module, partition, placement.stage, options.activation_checkpointing)
     runner.release_foreign_state()
-    materialize_own_stage(module, partition, placement.stage, placement.device)
+    materialize_own_stage(module, partition, placement.stage, placement.device, options.pretrained)
     runner.install()
     patches.set(module, "optimizer_zero_grad", None)  # the step driver zeroes the gradients itself
     if placement.num_replicas == 1:
@@ -135,16 +139,29 @@ def warn_batchnorm(module: pl.LightningModule, microbatches: int) -> None:
         )
 
 
-def materialize_own_stage(module: pl.LightningModule, partition: Partition, stage: int, device: torch.device) -> None:
-    """Allocate and initialise the meta-built modules of this rank's stage, and the replicated buffers."""
+def materialize_own_stage(module: pl.LightningModule, partition: Partition, stage: int, device: torch.device,
+                          pretrained: dict[str, Any] | None = None, seed: int | None = None) -> None:
+    """Allocate and initialise the meta-built modules of this rank's stage, the replicated buffers and the modules
+    that hold buffers but no parameters (rotary tables: they run on every stage), then read ``pretrained`` weights
+    for them (see :mod:`lightning_clapping.pipeline.materialize`)."""
     units = partition.units_of(stage)
     spanning = set(partition.spanning)  # their own tensors can only be replicated buffers
+    buffers_only = {n for n, m in module.named_modules() if next(m.parameters(), None) is None}
 
     def own(name: str) -> bool:
         return name in spanning or any(u == "" or name == u or name.startswith(u + ".") for u in units)
 
-    if materialize([(n, m) for n, m in module.named_modules() if own(n)], device):
-        log.debug("stage %d materialized from the meta device", stage)
+    pairs = [(n, m) for n, m in module.named_modules() if own(n) or n in buffers_only]
+    foreign = {n for n, _ in pairs if not own(n)}
+    done = materialize(pairs, device, seed, root=module, pretrained=pretrained, optional=foreign)
+    for i, report in enumerate(done.pretrained):
+        if report.missing:
+            warnings.warn(report.warnings(stage)[0], stacklevel=2)
+        if report.unexpected:
+            rank_zero_warn(report.warnings(stage)[-1])
+        log.info("stage %d read %d tensors from %s (%d files)", stage, len(report.read), report.path, len(report.files))
+    if done:
+        log.debug("stage %d materialized %d modules from the meta device", stage, done.modules)
 
 
 def move_to_device(module: pl.LightningModule, runner: StageRunner, partition: Partition | None,
@@ -189,15 +206,56 @@ def shard_lazy_data(dm: Any, num_replicas: int, replica: int, patches: Patches) 
     patches.set(dm, "replica_rank", replica)
 
 
+def foreign_buffers(module: pl.LightningModule, placement: Placement) -> dict[str, Any]:
+    """Collective over replica 0's pipeline: the non-persistent buffers (``position_ids``, rotary tables, causal
+    masks: not in a state dict) that global rank 0 holds on the meta device, from the stages that hold them; ``{}`` on
+    the other ranks. With the state dict they make the launching process's module whole."""
+    if placement.replica != 0:
+        return {}
+    persistent = set(module.state_dict(keep_vars=True))
+    mine = {n: b for n, b in module.named_buffers() if n not in persistent and not b.is_meta}
+    parts = gather_to_zero(mine, placement.device, group=placement.pp_group)
+    if parts is None:
+        return {}
+    lacking = {n for n, b in module.named_buffers() if n not in persistent and b.is_meta}
+    return {n: b for part in parts for n, b in part.items() if n in lacking}
+
+
+def _set_buffers(module: torch.nn.Module, buffers: dict[str, Any]) -> dict[str, Any]:
+    """Put ``buffers`` (qualified name -> tensor) into ``module``; returns the tensors they replace."""
+    before = {}
+    for name, tensor in buffers.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        before[name] = owner._buffers[leaf]
+        owner._buffers[leaf] = tensor
+    return before
+
+
+@contextmanager
+def whole_buffers(module: pl.LightningModule, placement: Placement) -> Generator[None, None, None]:
+    """Collective (see :func:`foreign_buffers`): while a ``"full"`` checkpoint is written, rank 0's module holds every
+    stage's non-persistent buffers, so saved hyperparameters that hold the network (``save_hyperparameters()`` with
+    an ``nn.Module`` argument) hold real buffers and ``load_from_checkpoint`` rebuilds a working model."""
+    before = _set_buffers(module, foreign_buffers(module, placement))
+    try:
+        yield
+    finally:
+        _set_buffers(module, before)
+
+
 def release_stage(module: pl.LightningModule | None, runner: StageRunner | None, patches: Patches,
                   full_state: dict[str, Any] | None) -> None:
     """At teardown: the module's own forwards and attributes back, the whole model loaded into it on rank 0 after a
-    ``"full"`` run (``full_state``), and its tensors back on the CPU."""
+    ``"full"`` run (``full_state``: the state dict and the other stages' non-persistent buffers), and its tensors
+    back on the CPU."""
     if runner is not None:
         runner.uninstall()
     patches.restore()
     if module is not None and full_state is not None:
-        module.load_state_dict(full_state, assign=True)
+        keys = set(module.state_dict(keep_vars=True))
+        module.load_state_dict({k: v for k, v in full_state.items() if k in keys}, assign=True)
+        _set_buffers(module, {k: v for k, v in full_state.items() if k not in keys})
     if module is not None:
         for t in list(module.parameters()) + list(module.buffers()):
             if t.device.type not in ("meta", "cpu"):

@@ -48,6 +48,7 @@ from lightning_clapping.comm.placement import Placement, Topology, build_mesh
 from lightning_clapping.comm.step_results import ByteStats
 from lightning_clapping.options import ClappingOptions, check_ranks
 from lightning_clapping.pipeline.executor import PipelineExecutor
+from lightning_clapping.pipeline.materialize import building_on_meta
 from lightning_clapping.pipeline.partition import Partition, count_stage_bytes
 from lightning_clapping.pipeline.stage import StageRunner
 from lightning_clapping.stage_setup import Patches
@@ -131,6 +132,8 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
         activation_checkpointing: recompute activations in backward instead of keeping them, per stage: ``True`` for
             the model's blocks, or a set of module classes (see :mod:`lightning_clapping.pipeline.recompute`); the
             recompute sees the same dropout masks. ``None`` (default): off.
+        pretrained: a safetensors checkpoint each stage reads its own tensors from once it has materialized them from
+            the meta device, or ``{"model": path}`` for a submodule's (``self.model``) keys; see README "Big models".
     """
 
     strategy_name = "clapping"
@@ -166,7 +169,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
         log_bytes: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen",
-        activation_checkpointing: Any = None, tied_codec: Any = None,
+        activation_checkpointing: Any = None, tied_codec: Any = None, pretrained: Any = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -179,7 +182,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
             sample_store_dtype=sample_store_dtype, freeze_rng=freeze_rng, process_group_backend=process_group_backend,
             timeout=timeout, liveness=liveness, prepost_receives=prepost_receives, log_bytes=log_bytes,
             state_dict_type=state_dict_type, start_method=start_method,
-            activation_checkpointing=activation_checkpointing, tied_codec=tied_codec,
+            activation_checkpointing=activation_checkpointing, tied_codec=tied_codec, pretrained=pretrained,
         )
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -334,14 +337,12 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``trainer.init_module(empty_init=True)`` builds on the meta device; each rank materializes its stage."""
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        with building_on_meta() if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
-    @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
+    def model_sharded_context(self) -> Any:
         """Layers created in ``configure_model()`` land on the meta device; each rank materializes its stage."""
-        with torch.device("meta"):
-            yield
+        return building_on_meta()
 
     # ------------------------------------------------------------------ setup
     def check_model(self, model: pl.LightningModule, partition: bool = True) -> Partition | None:
@@ -437,12 +438,12 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Adds every stage's error-feedback buffers, so a compressed run resumes exactly."""
-        rooms, placement = self._checkpoints, self.placement
+        rooms, placement, module = self._checkpoints, self.placement, self.lightning_module
         rooms.add_run_record(checkpoint, self.partition, self.num_stages, self._tuning)
         feedback = rooms.feedback_state(self.executor, placement)
         if self.options.state_dict_type == "full":
-            with checkpoint_hooks.plain_forwards(self.runner):
-                rooms.complete_full(checkpoint, feedback, placement, self.lightning_module)
+            with checkpoint_hooks.plain_forwards(self.runner), stage_setup.whole_buffers(module, placement):
+                rooms.complete_full(checkpoint, feedback, placement, module)
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         path = Path(self.broadcast(str(filepath)))
@@ -457,6 +458,7 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded folder: every rank reads only its own tensors by name; returns the rest (``meta.pt``)."""
+        weights_only = _compat.restore_weights_only(self.lightning_module, weights_only)
         path = Path(self.broadcast(str(checkpoint_path)))
         self._checkpoints.sharded_loaded = ckpt.is_sharded_checkpoint(path)
         if not self._checkpoints.sharded_loaded:
@@ -489,15 +491,12 @@ class ClappingStrategy(ReplicaCollectives, ParallelStrategy):
 
     # ------------------------------------------------------------------ end of a run
     def _gather_full_weights(self) -> None:
-        """Collective: collect the whole model on rank 0, which loads it back into the user's module at teardown.
-
-        Runs at the normal end of every top-level run (fit, validate, test, predict) with ``state_dict_type="full"``,
-        so the module object in the launching process ends up complete. Sharded runs skip it: no rank may hold
-        more than its stage, and the trained model is in the sharded checkpoint.
-        """
+        """Collective, at the end of every ``"full"`` run: the whole model and non-persistent buffers to rank 0, for the
+        launching process's module at teardown (a sharded run's trained model is in its sharded checkpoint)."""
         if self.options.state_dict_type == "sharded":
             return
         state = self.lightning_module_state_dict()
+        state.update(stage_setup.foreign_buffers(self.lightning_module, self.placement))
         self._full_state = state if self.global_rank == 0 else None
 
     def on_train_end(self) -> None:
