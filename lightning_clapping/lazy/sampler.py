@@ -1,10 +1,10 @@
-"""The lazy-sampling engine behind :class:`lightning_clapping.LazySamplingLoader`: decisions, epochs, the per-batch
-:class:`BatchInfo` and the checkpoint state; it draws from a source of :mod:`lightning_clapping.lazy.source`.
+"""The lazy-sampling engine behind :class:`lightning_clapping.LazySamplingLoader`: decisions, epochs, the
+:class:`BatchInfo` of each batch and the checkpoint state, over a source of :mod:`lightning_clapping.lazy.source`.
 
-Lightning fetches one batch ahead for a source without length and checkpoints at the batch it has consumed, so the
-sampler keeps the infos of its latest batches and the states right after its last two yields, under the ``batch_idx``
-Lightning gives the batch (``offset`` + position in the epoch). A state holds the current batch only when the next step
-reuses it, so no older batch is kept alive.
+Lightning fetches one batch ahead of a source without length and checkpoints at the batch it has consumed, so the
+sampler keeps the infos of its latest batches and its states after the last two yields, under the ``batch_idx``
+Lightning gives the batch (``offset`` + position in the epoch). A state holds the current batch only when the next
+step reuses it, so no older batch stays alive.
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ _MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """What the pipeline needs to know about one training batch.
+    """What the pipeline knows about one training batch.
 
     Attributes:
-        fresh: ``True`` when the batch was freshly drawn at this step (r_t = 1), ``False`` when it is the previous
-            batch handed out again.
-        batch_id: Identity of the batch: the number of fresh draws since the start of training, minus one. It is the
-            same for every step of a reuse window and unique per distinct batch.
-        sample_ids: ``LongTensor`` of the samples in the batch, in batch order: dataset indices for a map-style
-            ``DataLoader``, a running count of samples read for iterable sources; ``None`` when unknown.
-        distinct_samples: Samples read from the data source so far, this batch included. A reused batch adds nothing;
-            a sample drawn again in a later epoch counts again. This is the data budget to report next to the step.
-        step: Global step of this batch: the number of batches the loader yielded before it since training started.
+        fresh: drawn fresh at this step (r_t = 1); ``False``: the previous batch again.
+        batch_id: fresh draws since training began, minus one: the same for every step of a reuse window.
+        sample_ids: ``LongTensor`` of the batch's samples, in order: dataset indices for a map-style ``DataLoader``,
+            a running count of the samples read for other sources; ``None`` when unknown.
+        distinct_samples: samples read so far, this batch included (a reused batch adds nothing, a sample drawn
+            again in a later epoch counts again): the data budget to report next to the step.
+        step: batches the loader yielded before this one since training began.
     """
 
     fresh: bool
@@ -54,30 +52,6 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-class Decisions:
-    """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
-    depends on (seed, t) only, so processes agree, nothing is saved, and the future can be simulated."""
-
-    def __init__(self, seed: int, p: float) -> None:
-        self.p, self._base = p, _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
-
-    def fresh(self, step: int) -> bool:
-        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
-
-    def epoch_steps(self, start: int, num_batches: int) -> int:
-        """Steps of an epoch of ``num_batches`` batches that begins at step ``start``: it ends at the first fresh
-        decision that finds them all drawn (that step is the next epoch's first)."""
-        if num_batches <= 0 or self.p >= 1.0:
-            return max(num_batches, 0)
-        drawn, t = 1, start + 1
-        while True:
-            if self.fresh(t):
-                if drawn == num_batches:
-                    return t - start
-                drawn += 1
-            t += 1
-
-
 def _is_plain(obj: Any, depth: int = 0) -> bool:
     """Whether ``obj`` survives ``torch.load(weights_only=True)`` (tensors, numbers, strings, list/tuple/dict)."""
     if type(obj) in (list, tuple):
@@ -91,28 +65,33 @@ class LazySampler:
     """Fresh batch with probability ``p``, else the previous one again; epochs, batch infos and checkpoints.
 
     ``step``, ``fresh_draws`` and ``distinct_samples`` count, since training began, the batches yielded (Lightning may
-    have fetched the latest one ahead), the fresh draws and the samples read (reused batches not counted again). An
-    epoch is not begun (position 0), restored (position > 0, not running) or running.
+    have fetched the latest ahead), the fresh draws and the samples read. An epoch is not begun (position 0),
+    restored (position > 0, not running) or running.
     """
 
     def __init__(self, source: Iterable, p: float, seed: int, num_replicas: int, replica_rank: int) -> None:
         self.p, self.seed, self.num_replicas, self.replica_rank = p, seed, num_replicas, replica_rank
-        self._decisions = Decisions(seed, p)
+        self._base = _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
         self._source = make_source(source, num_replicas, replica_rank, seed)
         self.step = self.fresh_draws = self.distinct_samples = 0
         self._epoch = 0  # the running or restored epoch, else the next one
         self._infos: OrderedDict[int, BatchInfo] = OrderedDict()  # by Lightning's batch_idx
-        self._states: OrderedDict[int, tuple] = OrderedDict()  # right after the latest yields, by the next batch_idx
+        self._states: OrderedDict[int, tuple] = OrderedDict()  # after the latest yields, by the next batch_idx
         self._offset = 0  # Lightning's batch_idx minus the position (not 0 after some resumes of a source without len)
         self._length = (-1, -1, 0)  # (first step, batches, steps) of the last epoch simulated
         self._leave_epoch(ended=False)
 
     def _trainer_ready(self) -> Optional[int]:
-        """Hook: batches the trainer has taken from the current epoch (Lightning's next batch_idx); None without one."""
+        """Hook: batches the trainer took from the current epoch (its next batch_idx); None without a trainer."""
         return None
 
     def _sync_trainer_length(self, length: int) -> None:
-        """Hook, called at the first step of every epoch of known length: tell the trainer its number of batches."""
+        """Hook, at the first step of every epoch of known length: tell the trainer its number of batches."""
+
+    def _fresh_at(self, step: int) -> bool:
+        """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
+        depends on (seed, t) only, so processes agree, nothing is saved and the future can be simulated."""
+        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
 
     @property
     def source(self) -> Iterable:
@@ -141,10 +120,15 @@ class LazySampler:
         self._source = make_source(source, self.num_replicas, self.replica_rank, self.seed)
 
     def _epoch_length(self) -> Optional[int]:
-        """Steps of the current epoch (simulated), None when the source has no length."""
+        """Steps of the current epoch (None without length): it ends at the first fresh decision that finds every
+        batch of the source drawn, and that step opens the next epoch."""
         start, n = self.step - self._pos, self._source.num_batches()
         if n is not None and self._length[:2] != (start, n):
-            self._length = (start, n, self._decisions.epoch_steps(start, n))
+            t, found = start, 0
+            while found < n:
+                t += 1
+                found += self._fresh_at(t)
+            self._length = (start, n, t - start)
         return None if n is None else self._length[2]
 
     def _at_epoch_end(self) -> bool:
@@ -171,9 +155,7 @@ class LazySampler:
     def __iter__(self) -> "LazySampler":
         if self._running:
             self._leave_epoch()  # a new pass: the rest of a running epoch is dropped
-        # An epoch not begun or restored is used as is: nothing happens before the first next() (so an iter() nobody
-        # pulls from, like Lightning's iterability check, changes nothing).
-        self._open = True
+        self._open = True  # an epoch not begun or restored starts at the first next() (an unused iter() is harmless)
         return self
 
     def __next__(self) -> Any:
@@ -185,8 +167,7 @@ class LazySampler:
                 self._open = True
             self._begin()
         t = self.step
-        fresh = self._pos == 0 or self._batch is None or self._decisions.fresh(t)
-        if fresh:
+        if self._pos == 0 or self._batch is None or self._fresh_at(t):
             n = self._source.num_batches()
             try:
                 if n is not None and self._fresh >= n:
@@ -196,8 +177,11 @@ class LazySampler:
             except StopIteration:
                 self._leave_epoch()
                 raise
-            self._fresh += 1
-            self.fresh_draws, self.distinct_samples = self.fresh_draws + 1, self.distinct_samples + count
+            self._fresh, self.fresh_draws, self.distinct_samples = (self._fresh + 1, self.fresh_draws + 1,
+                                                                    self.distinct_samples + count)
+            fresh = True
+        else:
+            fresh = False
         self._infos[self._offset + self._pos] = BatchInfo(fresh, self.fresh_draws - 1, self._ids,
                                                           self.distinct_samples, t)
         while len(self._infos) > INFO_WINDOW:
@@ -221,7 +205,7 @@ class LazySampler:
 
     def _remember_state(self) -> None:
         """Keep what a checkpoint right after the latest yield needs, under the batch_idx of the batch after it."""
-        reused_next = self._batch is not None and not self._decisions.fresh(self.step)
+        reused_next = self._batch is not None and not self._fresh_at(self.step)
         self._states[self._offset + self._pos] = (self.step, self.fresh_draws, self.distinct_samples, self._pos,
                                                   self._fresh, self._ids, self._batch if reused_next else None,
                                                   self._wrapped_state)
@@ -251,8 +235,8 @@ class LazySampler:
         if state.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"LazySamplingLoader: the checkpoint holds lazy-sampling state of version {state.get('version')!r}, "
-                f"this code reads version {_STATE_VERSION} (the layout changed when lazy sampling was "
-                "rewritten). Resume it with the release that wrote it, or start a new run from its weights "
+                f"this code reads version {_STATE_VERSION} (the layout changed when lazy sampling was rewritten). "
+                "Resume it with the release that wrote it, or start a new run from its weights "
                 "(`Model.load_from_checkpoint(path)` and fit without ckpt_path).")
         for key, value in self._settings().items():
             if state.get(key) != value:
@@ -262,7 +246,7 @@ class LazySampler:
         self.step, self.fresh_draws, self.distinct_samples, self._pos, self._fresh = (
             int(state[key]) for key in _STATE_KEYS[:5])
         self._epoch, self._ids, self._wrapped_state = int(state["epoch"]), state["ids"], state["wrapped_state"]
-        need_batch = self._pos > 0 and state["batch"] is None and not self._decisions.fresh(self.step)
+        need_batch = self._pos > 0 and state["batch"] is None and not self._fresh_at(self.step)
         rebuilt = self._source.restore(self._epoch, state, need_batch)
         self._batch = rebuilt if state["batch"] is None else state["batch"]
         if need_batch and rebuilt is None:
