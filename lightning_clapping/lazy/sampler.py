@@ -1,16 +1,12 @@
-"""The lazy-sampling engine behind :class:`lightning_clapping.LazySamplingLoader`: decisions, epochs, the
-:class:`BatchInfo` of each batch and the checkpoint state, over a source of :mod:`lightning_clapping.lazy.source`.
-
-Lightning fetches one batch ahead of a source without length and checkpoints at the batch it has consumed, so the
-sampler keeps the infos of its latest batches and its states after the last two yields, under the ``batch_idx``
-Lightning gives the batch (``offset`` + position in the epoch). A state holds the current batch only when the next
-step reuses it, so no older batch stays alive.
-"""
+"""The lazy-sampling engine: decisions, epochs, each batch's :class:`BatchInfo` and the checkpoint state (kept after
+the last two yields: Lightning fetches one batch ahead of a source without length and checkpoints the one it took)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,10 +28,9 @@ class BatchInfo:
     Attributes:
         fresh: drawn fresh at this step (r_t = 1); ``False``: the previous batch again.
         batch_id: fresh draws since training began, minus one: the same for every step of a reuse window.
-        sample_ids: ``LongTensor`` of the batch's samples, in order: dataset indices for a map-style ``DataLoader``,
+        sample_ids: ``LongTensor`` of the batch's samples in order: dataset indices for a map-style ``DataLoader``,
             a running count of the samples read for other sources; ``None`` when unknown.
-        distinct_samples: samples read so far, this batch included (a reused batch adds nothing, a sample drawn
-            again in a later epoch counts again): the data budget to report next to the step.
+        distinct_samples: samples read so far, this batch included; a reused batch adds nothing (the data budget).
         step: batches the loader yielded before this one since training began.
     """
 
@@ -44,6 +39,20 @@ class BatchInfo:
     sample_ids: Optional[Tensor] = field(compare=False)
     distinct_samples: int
     step: int
+
+
+def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> tuple[float, int, int, int]:
+    if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and math.isfinite(p) and 0.0 < p <= 1.0):
+        raise ValueError(f"p must be a number in the range (0, 1]: it is the probability of drawing a fresh mini-batch "
+                         f"at each training step (p = 1: no reuse; smaller p: about 1/p steps per batch). Got p={p!r}.")
+    ints = [isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (seed, num_replicas, replica_rank)]
+    if not ints[0]:
+        raise ValueError(f"seed must be an int (shared by all pipeline stages), got {seed!r}.")
+    if not ints[1] or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
+    if not ints[2] or not 0 <= replica_rank < num_replicas:
+        raise ValueError(f"replica_rank must be an int in [0, num_replicas={num_replicas}), got {replica_rank!r}.")
+    return float(p), int(seed), int(num_replicas), int(replica_rank)
 
 
 def _mix64(z: int) -> int:
@@ -62,31 +71,30 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
 
 
 class LazySampler:
-    """Fresh batch with probability ``p``, else the previous one again; epochs, batch infos and checkpoints.
+    """``LazySamplingLoader`` without a trainer. An epoch is not begun (position 0), restored or running."""
 
-    ``step``, ``fresh_draws`` and ``distinct_samples`` count, since training began, the batches yielded (Lightning may
-    have fetched the latest ahead), the fresh draws and the samples read. An epoch is not begun (position 0),
-    restored (position > 0, not running) or running.
-    """
-
-    def __init__(self, source: Iterable, p: float, seed: int, num_replicas: int, replica_rank: int) -> None:
-        self.p, self.seed, self.num_replicas, self.replica_rank = p, seed, num_replicas, replica_rank
+    def __init__(self, source: Iterable, p: float = 0.5, seed: int = 0, num_replicas: int = 1,
+                 replica_rank: int = 0) -> None:
+        self.p, self.seed, self.num_replicas, self.replica_rank = check_settings(p, seed, num_replicas, replica_rank)
+        if isinstance(source, LazySampler):
+            raise ValueError("source is already a LazySamplingLoader; wrap the underlying loader instead.")
+        if not isinstance(source, Iterable):
+            raise TypeError(f"source must be an iterable of batches (e.g. a DataLoader), got {type(source).__name__}.")
         self._base = _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
         self._source = make_source(source, num_replicas, replica_rank, seed)
         self.step = self.fresh_draws = self.distinct_samples = 0
         self._epoch = 0  # the running or restored epoch, else the next one
-        self._infos: OrderedDict[int, BatchInfo] = OrderedDict()  # by Lightning's batch_idx
-        self._states: OrderedDict[int, tuple] = OrderedDict()  # after the latest yields, by the next batch_idx
+        self._infos: deque = deque(maxlen=INFO_WINDOW)  # (Lightning's batch_idx, BatchInfo)
+        self._states: deque = deque(maxlen=2)  # (next batch_idx, state) after the last two yields
         self._offset = 0  # Lightning's batch_idx minus the position (not 0 after some resumes of a source without len)
         self._length = (-1, -1, 0)  # (first step, batches, steps) of the last epoch simulated
         self._leave_epoch(ended=False)
 
-    def _trainer_ready(self) -> Optional[int]:
-        """Hook: batches the trainer took from the current epoch (its next batch_idx); None without a trainer."""
+    def _trainer_ready(self) -> Optional[int]:  # the trainer's next batch_idx (None without one): see data.py
         return None
 
-    def _sync_trainer_length(self, length: int) -> None:
-        """Hook, at the first step of every epoch of known length: tell the trainer its number of batches."""
+    def _sync_trainer_length(self, length: int) -> None:  # at an epoch's first step, its length for the trainer
+        pass
 
     def _fresh_at(self, step: int) -> bool:
         """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
@@ -94,23 +102,19 @@ class LazySampler:
         return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
 
     @property
-    def source(self) -> Iterable:
-        """The wrapped train loader / iterable."""
+    def source(self) -> Iterable:  # the wrapped train loader / iterable
         return self._source.wrapped
 
     @property
-    def epoch(self) -> int:
-        """Index of the current epoch (of the next one between epochs)."""
+    def epoch(self) -> int:  # the current epoch (between epochs: the next one)
         return self._epoch + int(self._running and self._at_epoch_end())
 
     def batch_info(self, batch_idx: int) -> BatchInfo:
-        """Metadata of the batch yielded at position ``batch_idx`` of the current epoch (Lightning's ``batch_idx``)."""
-        info = self._infos.get(int(batch_idx))
-        if info is None:
-            raise KeyError(
-                f"LazySamplingLoader.batch_info: no batch at position {batch_idx} of the current epoch among the "
-                f"last {INFO_WINDOW} yielded (known positions: {list(self._infos)}). batch_idx is the index Lightning "
-                "passes to training_step, i.e. the number of batches yielded before it in this epoch.")
+        """The :class:`BatchInfo` of the batch at position ``batch_idx`` of the epoch (Lightning's ``batch_idx``)."""
+        if (info := next((info for idx, info in self._infos if idx == batch_idx), None)) is None:
+            raise KeyError(f"LazySamplingLoader.batch_info: no batch at position {batch_idx} of the current epoch among"
+                           f" the last {INFO_WINDOW} yielded (known: {[idx for idx, _ in self._infos]}); batch_idx is "
+                           "the one Lightning passes to training_step.")
         return info
 
     def replace_source(self, source: Iterable) -> None:
@@ -119,9 +123,7 @@ class LazySampler:
             self._leave_epoch()
         self._source = make_source(source, self.num_replicas, self.replica_rank, self.seed)
 
-    def _epoch_length(self) -> Optional[int]:
-        """Steps of the current epoch (None without length): it ends at the first fresh decision that finds every
-        batch of the source drawn, and that step opens the next epoch."""
+    def _epoch_length(self) -> Optional[int]:  # up to the fresh decision that finds every batch drawn (None: no len)
         start, n = self.step - self._pos, self._source.num_batches()
         if n is not None and self._length[:2] != (start, n):
             t, found = start, 0
@@ -135,20 +137,18 @@ class LazySampler:
         length = self._epoch_length()
         return length is not None and self._pos >= length
 
-    def _leave_epoch(self, ended: bool = True) -> None:
-        """Forget the running or restored epoch and close the pass (the infos stay for its last batches)."""
+    def _leave_epoch(self, ended: bool = True) -> None:  # the infos stay for the epoch's last batches
         self._source.end()
         self._epoch += int(ended)
         self._running = self._open = False
         self._pos = self._fresh = 0  # batches yielded and fresh draws in the epoch
         self._batch = self._ids = self._wrapped_state = None
-        self._states.clear()
+        self._remember_state(clear=True)  # what a checkpoint between epochs holds
 
     def __len__(self) -> int:
         if self._running and self._at_epoch_end():
             self._leave_epoch()  # after its last step, len() describes the next epoch
-        length = self._epoch_length()
-        if length is None:
+        if (length := self._epoch_length()) is None:
             raise TypeError("LazySamplingLoader has no length: the wrapped source has none.")
         return length
 
@@ -167,11 +167,9 @@ class LazySampler:
                 self._open = True
             self._begin()
         t = self.step
-        if self._pos == 0 or self._batch is None or self._fresh_at(t):
-            n = self._source.num_batches()
-            try:
-                if n is not None and self._fresh >= n:
-                    raise StopIteration
+        fresh = self._pos == 0 or self._batch is None or self._fresh_at(t)
+        if fresh:
+            try:  # a source raises StopIteration after its last batch of the pass
                 self._batch, self._ids, count, self._wrapped_state = self._source.draw(self._fresh,
                                                                                       self.distinct_samples)
             except StopIteration:
@@ -179,13 +177,8 @@ class LazySampler:
                 raise
             self._fresh, self.fresh_draws, self.distinct_samples = (self._fresh + 1, self.fresh_draws + 1,
                                                                     self.distinct_samples + count)
-            fresh = True
-        else:
-            fresh = False
-        self._infos[self._offset + self._pos] = BatchInfo(fresh, self.fresh_draws - 1, self._ids,
-                                                          self.distinct_samples, t)
-        while len(self._infos) > INFO_WINDOW:
-            self._infos.popitem(last=False)
+        self._infos.append((self._offset + self._pos, BatchInfo(fresh, self.fresh_draws - 1, self._ids,
+                                                                self.distinct_samples, t)))
         self.step, self._pos = t + 1, self._pos + 1
         self._remember_state()
         return self._batch
@@ -194,50 +187,38 @@ class LazySampler:
         if self._pos == 0:
             self._source.begin(self._epoch)
         ready = self._trainer_ready()
-        self._offset = 0 if ready is None else ready - self._pos
-        self._running = True
+        self._offset, self._running = 0 if ready is None else ready - self._pos, True
         self._infos.clear()
-        self._states.clear()
-        self._remember_state()
-        length = self._epoch_length()
-        if length is not None:
+        self._remember_state(clear=True)
+        if (length := self._epoch_length()) is not None:
             self._sync_trainer_length(self._offset + length)
 
-    def _remember_state(self) -> None:
-        """Keep what a checkpoint right after the latest yield needs, under the batch_idx of the batch after it."""
+    def _remember_state(self, clear: bool = False) -> None:  # a checkpoint's state now, by the next batch_idx
+        if clear:
+            self._states.clear()
         reused_next = self._batch is not None and not self._fresh_at(self.step)
-        self._states[self._offset + self._pos] = (self.step, self.fresh_draws, self.distinct_samples, self._pos,
-                                                  self._fresh, self._ids, self._batch if reused_next else None,
-                                                  self._wrapped_state)
-        while len(self._states) > 2:  # Lightning is at most one batch behind the latest yield
-            self._states.popitem(last=False)
+        self._states.append((self._offset + self._pos, (self.step, self.fresh_draws, self.distinct_samples, self._pos,
+                             self._fresh, self._ids, self._batch if reused_next else None, self._wrapped_state)))
 
     def _settings(self) -> dict:
         return {"p": self.p, "seed": self.seed, "num_replicas": self.num_replicas, "replica_rank": self.replica_rank,
                 "source_kind": self._source.kind}
 
     def state_dict(self) -> dict:
-        """All it takes to go on exactly after the batch the trainer consumed last (without one: the latest yielded):
-        counters, the epoch and position in it (0: begin it), the batch to reuse (when plain, else None: rebuilt on
-        load) and what the source needs (the RNG states the epoch's order is drawn from, an iterable's state)."""
-        if self._running or self._pos:
-            state = self._states.get(self._trainer_ready()) or next(reversed(self._states.values()))  # type: ignore
-        else:
-            state = (self.step, self.fresh_draws, self.distinct_samples, 0, 0, None, None, None)
+        """All it takes to go on exactly after the batch the trainer took last (else the latest yielded)."""
+        ready = self._trainer_ready()
+        state = next((state for idx, state in self._states if idx == ready), self._states[-1][1])
         saved = dict(zip(_STATE_KEYS, state), version=_STATE_VERSION, epoch=self._epoch, **self._settings(),
                      **self._source.checkpoint())
         saved["batch"] = saved["batch"] if _is_plain(saved["batch"]) else None
         return saved
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Go on from a ``state_dict``: the source is put back now, the next ``iter()`` resumes at the saved batch."""
-        state = dict(state_dict)
+    def load_state_dict(self, state: dict) -> None:
+        """The source is put back now; the next ``iter()`` resumes at the saved batch."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"LazySamplingLoader: the checkpoint holds lazy-sampling state of version {state.get('version')!r}, "
-                f"this code reads version {_STATE_VERSION} (the layout changed when lazy sampling was rewritten). "
-                "Resume it with the release that wrote it, or start a new run from its weights "
-                "(`Model.load_from_checkpoint(path)` and fit without ckpt_path).")
+            raise ValueError(f"LazySamplingLoader: the checkpoint holds lazy-sampling state of version "
+                             f"{state.get('version')!r}, this code reads version {_STATE_VERSION}. Resume it with the "
+                             "release that wrote it, or fit anew from `Model.load_from_checkpoint(path)`.")
         for key, value in self._settings().items():
             if state.get(key) != value:
                 warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
@@ -250,9 +231,7 @@ class LazySampler:
         rebuilt = self._source.restore(self._epoch, state, need_batch)
         self._batch = rebuilt if state["batch"] is None else state["batch"]
         if need_batch and rebuilt is None:
-            warnings.warn("LazySamplingLoader: exact resume is impossible: the checkpoint does not hold the batch to "
-                          "reuse and it cannot be rebuilt (keep batches to tensors, numbers and strings in lists, "
-                          "tuples and dicts, or use a map-style DataLoader); a fresh batch is drawn instead.",
-                          RuntimeWarning)
-        if self._pos:
-            self._remember_state()
+            warnings.warn("LazySamplingLoader: exact resume is impossible: the batch to reuse is not in the checkpoint "
+                          "and cannot be rebuilt (keep batches to tensors, numbers and strings in lists, tuples and "
+                          "dicts, or use a map-style DataLoader); a fresh batch is drawn instead.", RuntimeWarning)
+        self._remember_state(clear=True)

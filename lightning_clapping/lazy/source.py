@@ -1,16 +1,14 @@
-"""Where fresh batches come from: ``draw(k, samples_seen)`` is the k-th batch of a pass of the wrapped loader.
-
-:class:`MapSource` (a ``DataLoader`` over a map-style dataset) draws each pass's index order as ``DataLoader.__iter__``
-would and loads it with an inner DataLoader built alike, so every batch's dataset indices are known; a resume redraws
-the order from the RNG states it came from. :class:`IterSource` (any other iterable) pulls batches one by one; a
-resume goes through the iterable's ``state_dict``/``load_state_dict`` or reads it again.
-"""
+"""Where fresh batches come from: ``draw(k, samples_seen)`` is the k-th batch of a pass of the wrapped loader, from a
+:class:`MapSource` (a map-style ``DataLoader``: its order drawn here, so every batch's dataset indices are known) or
+an :class:`IterSource` (any other iterable)."""
 
 from __future__ import annotations
 
 import warnings
 import zlib
+from collections import deque
 from collections.abc import Iterable
+from itertools import islice
 from typing import Any, Optional
 
 import torch
@@ -51,17 +49,15 @@ class MapSource:
         self.wrapped, self.auto_collation, sampler = loader, loader.batch_sampler is not None, loader.sampler
         self.base_drawn = False  # with persistent workers a DataLoader draws its workers' base seed only once
         self.order: Optional[list] = None  # the running pass's index batches (indices without auto-collation)
-        self._entry: dict = {}
+        self._entry, self._feed = {}, []  # the pass's checkpoint entry; what the inner DataLoader still loads
         self._inner, self._iter, self._warned = None, None, False
-        self._feed: list = []  # the inner DataLoader's index sampler: what it still loads of the pass
         self._indices = loader.batch_sampler if self.auto_collation else sampler
         self._sharded = num_replicas > 1
         if self._sharded:
             if loader.batch_size is None or not isinstance(sampler, (RandomSampler, SequentialSampler)):
-                raise ValueError(
-                    "num_replicas > 1 shards a DataLoader built with batch_size, shuffle and drop_last (a RandomSampler"
-                    f" or SequentialSampler), got sampler={type(sampler).__name__}, batch_size={loader.batch_size}. "
-                    "Shard the data yourself and keep num_replicas=1.")
+                raise ValueError(f"num_replicas > 1 shards a DataLoader built with batch_size, shuffle and drop_last, "
+                                 f"got sampler={type(sampler).__name__}, batch_size={loader.batch_size}. Shard the "
+                                 "data yourself and keep num_replicas=1.")
             shards = DistributedSampler(loader.dataset, num_replicas, replica_rank, seed=seed, drop_last=False,
                                         shuffle=isinstance(sampler, RandomSampler))
             self._indices = BatchSampler(shards, loader.batch_size, loader.drop_last)
@@ -69,15 +65,12 @@ class MapSource:
     def num_batches(self) -> Optional[int]:
         return len(self.order) if self.order is not None else sized_len(self._indices)
 
-    def _generators(self) -> list:
-        """The generators the order is drawn from, looked up now (a strategy may give the loader one later)."""
-        loader = self.wrapped
-        found = (loader.generator, getattr(loader.sampler, "generator", None),
-                 getattr(getattr(loader.batch_sampler, "sampler", None), "generator", None))
+    def _generators(self) -> list:  # looked up when used: a strategy may give the loader one after it was wrapped
+        found = (self.wrapped.generator, getattr(self.wrapped.sampler, "generator", None),
+                 getattr(getattr(self.wrapped.batch_sampler, "sampler", None), "generator", None))
         return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
-    def _rng_states(self) -> Optional[dict]:
-        """The RNG states an order is drawn from now (None when sharded: then it is a function of seed and epoch)."""
+    def _rng_states(self) -> Optional[dict]:  # what an order is drawn from now (sharded: from seed and epoch)
         return None if self._sharded else {"global": torch.get_rng_state(),
                                            "gens": [g.get_state() for g in self._generators()]}
 
@@ -86,31 +79,26 @@ class MapSource:
         self._draw_order(epoch, self._rng_states(), drew_base=not (persistent and self.base_drawn))
 
     def _draw_order(self, epoch: int, order_rng: Optional[dict], drew_base: bool) -> None:
-        if self._sharded:
-            self._indices.sampler.set_epoch(epoch)  # type: ignore[union-attr]
-            order, base_seed = [list(b) for b in self._indices], (epoch * 0x9E3779B1 + 12345) & _SEED_MASK
-        else:
-            samplers = (self.wrapped.sampler, getattr(self.wrapped.batch_sampler, "sampler", None))
-            for sampler in {id(s): s for s in samplers if callable(getattr(s, "set_epoch", None))}.values():
-                sampler.set_epoch(epoch)  # what Lightning does for a train DataLoader it owns
-            indices = iter(self._indices)
-            # DataLoader.__iter__ draws its workers' base seed after creating the sampler iterator and before the
-            # sampler runs: in the same order here, the shuffle is the one iterating the wrapped loader gives
-            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.wrapped.generator)) \
-                if drew_base else 0
-            order = [list(b) if self.auto_collation else int(b) for b in indices]
+        samplers = (getattr(self._indices, "sampler", None), self.wrapped.sampler)
+        for sampler in {id(s): s for s in samplers if callable(getattr(s, "set_epoch", None))}.values():
+            sampler.set_epoch(epoch)  # what Lightning does for a train DataLoader it owns
+        indices = iter(self._indices)
+        # DataLoader.__iter__ draws its workers' base seed after creating the sampler iterator, before the sampler
+        # runs: in that order the shuffle is the one iterating the wrapped loader gives (sharded: seed and epoch's)
+        base_seed = (epoch * 0x9E3779B1 + 12345) & _SEED_MASK if self._sharded else 0
+        if drew_base and not self._sharded:
+            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.wrapped.generator))
+        order = [list(b) if self.auto_collation else int(b) for b in indices]
         self.base_drawn = self.base_drawn or drew_base
         self.order, self._base_seed, self._iter = order, base_seed, None
         self._entry = {"order_rng": order_rng, "fingerprint": zlib.crc32(repr(order).encode()), "drew_base": drew_base}
 
-    def checkpoint(self) -> dict:
-        """The RNG states the running (else the next) pass's order is drawn from."""
+    def checkpoint(self) -> dict:  # the RNG states the running (else the next) pass's order is drawn from
         entry = self._entry if self.order is not None else {"order_rng": self._rng_states()}
         return {**entry, "base_drawn": self.base_drawn}
 
     def restore(self, epoch: int, state: dict, need_batch: bool) -> Any:
-        """Set the generators, or redraw the order of the pass to go on with from its RNG states (warns when it
-        differs); returns the batch to reuse, rebuilt from its indices, when asked."""
+        """Set the generators, or redraw the running pass's order; returns the batch to reuse when asked."""
         sampler = self.wrapped.sampler
         if not self._sharded and isinstance(sampler, RandomSampler) and sampler.generator is None and not self._warned:
             self._warned = True
@@ -128,17 +116,15 @@ class MapSource:
                 torch.set_rng_state(order_rng["global"])
             self._draw_order(epoch, order_rng, bool(state["drew_base"]))
         if state["fingerprint"] != self._entry["fingerprint"]:
-            warnings.warn(f"LazySamplingLoader: exact resume is impossible: the DataLoader's sample order of epoch "
-                          f"{epoch} could not be redrawn from the checkpoint, so the rest of it differs from the "
-                          "uninterrupted run. Exact resume needs an index order that depends only on torch generators "
-                          "(e.g. shuffle=True with generator=torch.Generator().manual_seed(s)).", RuntimeWarning, 3)
+            warnings.warn(f"LazySamplingLoader: exact resume is impossible: the sample order of epoch {epoch} could not"
+                          " be redrawn from the checkpoint. It must come from torch generators only (e.g. shuffle=True "
+                          "with generator=torch.Generator().manual_seed(s)).", RuntimeWarning, 3)
         if not need_batch or state["ids"] is None:
             return None
         ids = [int(i) for i in state["ids"].tolist()]
-        return next(self._load([ids] if self.auto_collation else ids, self._base_seed))
+        return next(self._load([ids] if self.auto_collation else ids))
 
-    def _load(self, items: list, base_seed: int) -> Iterable:
-        """The batches of ``items`` (index batches, or indices), loaded as the wrapped DataLoader would."""
+    def _load(self, items: list) -> Iterable:  # the batches of these index batches, loaded as the wrapped loader would
         if self._inner is None:
             loader = self.wrapped
             kwargs = {name: getattr(loader, name) for name in _INNER_LOADER_ARGS if hasattr(loader, name)}
@@ -147,13 +133,13 @@ class MapSource:
             feed = {"batch_sampler": self._feed} if self.auto_collation else {"batch_size": None, "sampler": self._feed}
             self._inner = DataLoader(loader.dataset, generator=torch.Generator(), **feed, **kwargs)
         self._feed[:] = items
-        self._inner.generator.manual_seed(base_seed & _SEED_MASK)  # type: ignore[union-attr]
+        self._inner.generator.manual_seed(self._base_seed & _SEED_MASK)  # type: ignore[union-attr]
         return iter(self._inner)
 
     def draw(self, k: int, samples_seen: int) -> tuple[Any, Tensor, int, None]:
         assert self.order is not None
         if self._iter is None:
-            self._iter = self._load(self.order[k:], self._base_seed)
+            self._iter = self._load(self.order[k:])
         batch, item = next(self._iter), self.order[k]
         ids = torch.tensor(item if self.auto_collation else [item], dtype=torch.long)
         return batch, ids, int(ids.numel()), None
@@ -162,16 +148,8 @@ class MapSource:
         self.order = self._iter = None
 
 
-def _leading_dim(batch: Any) -> Optional[int]:
-    """Samples in a batch: the first dimension of its first tensor (a list of scalars: its length)."""
-    first = next((x for x in tree_flatten(batch)[0] if isinstance(x, Tensor) and x.dim() > 0), None)
-    if first is not None:
-        return int(first.shape[0])
-    return len(batch) if isinstance(batch, (list, tuple)) and batch else None
-
-
 class IterSource:
-    """Any other iterable: sample ids count the samples read (the first dimension of each batch)."""
+    """Any other iterable: sample ids count the samples read; a resume uses its ``state_dict`` or reads it again."""
 
     kind = "iterable"
 
@@ -191,10 +169,13 @@ class IterSource:
     end = begin  # both start the next pass from the beginning
 
     def draw(self, k: int, samples_seen: int) -> tuple[Any, Optional[Tensor], int, Any]:
+        if (n := self.num_batches()) is not None and k >= n:
+            raise StopIteration  # a sized iterable yielding more than len() batches: len() stays exact
         if self._iter is None:
             self._iter = iter(self.wrapped)
         batch = next(self._iter)
-        count = _leading_dim(batch)
+        first = next((x for x in tree_flatten(batch)[0] if isinstance(x, Tensor) and x.dim() > 0), None)
+        count = int(first.shape[0]) if first is not None else len(batch) if isinstance(batch, (list, tuple)) else None
         ids = None if count is None else torch.arange(samples_seen, samples_seen + count, dtype=torch.long)
         return batch, ids, int(count or 0), self.wrapped.state_dict() if self.stateful else None  # type: ignore
 
@@ -205,14 +186,12 @@ class IterSource:
             return None
         if self.stateful and state["wrapped_state"] is not None:
             self.wrapped.load_state_dict(state["wrapped_state"])  # type: ignore[attr-defined]
-            self._iter = iter(self.wrapped)
-            return None
-        if k > 0 and not isinstance(self.wrapped, (list, tuple)) and not self._warned:
+            k = 0  # the iterable goes on after the saved batch (kept in the checkpoint when plain)
+        elif k > 0 and not isinstance(self.wrapped, (list, tuple)) and not self._warned:
             self._warned = True
             warnings.warn(f"LazySamplingLoader: resuming an iterable by reading its first {k} batch(es) again: exact "
-                          "only if it yields the same batches on every pass; give a stream state_dict/load_state_dict "
-                          "methods to resume it without re-reading.", stacklevel=3)
-        self._iter, last = iter(self.wrapped), None
-        for _ in range(k):
-            last = next(self._iter)
-        return last if need_batch else None
+                          "only if every pass yields the same batches (else give it state_dict/load_state_dict).",
+                          stacklevel=3)
+        self._iter = iter(self.wrapped)
+        last = deque(islice(self._iter, k), maxlen=1)
+        return last[0] if need_batch and last else None
