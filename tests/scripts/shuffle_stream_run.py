@@ -15,47 +15,24 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_clapping
 from _models import classification_data
-
-
-class DropoutFirst(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 4))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class Labels(L.Callback):
-    def __init__(self):
-        self.rows = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.rows.append(batch[1].tolist())
+from fidelity_run import Labels, NetHolder
 
 
 def main(out: Path, case: str) -> None:
     torch.manual_seed(0)
     loader = DataLoader(TensorDataset(*classification_data(n=64, seed=1)), batch_size=16, shuffle=True)
+    model = NetHolder(nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 4)))
     labels = Labels()
     strategy = lightning_clapping.ClappingStrategy(split_points=["net.3"], microbatches=2, freeze_rng=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[labels])
     data = lightning_clapping.LazySamplingDataModule(loader, p=0.5, seed=1) if case == "lazy" else None
-    trainer.fit(DropoutFirst(), loader if data is None else None, datamodule=data)
+    trainer.fit(model, loader if data is None else None, datamodule=data)
     (out / f"{case}_rank{trainer.global_rank}.json").write_text(json.dumps(labels.rows))
 
 
