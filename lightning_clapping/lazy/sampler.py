@@ -1,16 +1,12 @@
-"""The lazy-sampling engine behind :class:`lightning_clapping.LazySamplingLoader`: decisions, epochs, the per-batch
-:class:`BatchInfo` and the checkpoint state; it draws from a source of :mod:`lightning_clapping.lazy.source`.
-
-Lightning fetches one batch ahead for a source without length and checkpoints at the batch it has consumed, so the
-sampler keeps the infos of its latest batches and the states right after its last two yields, under the ``batch_idx``
-Lightning gives the batch (``offset`` + position in the epoch). A state holds the current batch only when the next step
-reuses it, so no older batch is kept alive.
-"""
+"""The lazy-sampling engine: decisions, epochs, each batch's :class:`BatchInfo` and the checkpoint state (kept after
+the last two yields: Lightning fetches one batch ahead of a source without length and checkpoints the one it took)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -27,18 +23,15 @@ _MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """What the pipeline needs to know about one training batch.
+    """What the pipeline knows about one training batch.
 
     Attributes:
-        fresh: ``True`` when the batch was freshly drawn at this step (r_t = 1), ``False`` when it is the previous
-            batch handed out again.
-        batch_id: Identity of the batch: the number of fresh draws since the start of training, minus one. It is the
-            same for every step of a reuse window and unique per distinct batch.
-        sample_ids: ``LongTensor`` of the samples in the batch, in batch order: dataset indices for a map-style
-            ``DataLoader``, a running count of samples read for iterable sources; ``None`` when unknown.
-        distinct_samples: Samples read from the data source so far, this batch included. A reused batch adds nothing;
-            a sample drawn again in a later epoch counts again. This is the data budget to report next to the step.
-        step: Global step of this batch: the number of batches the loader yielded before it since training started.
+        fresh: drawn fresh at this step (r_t = 1); ``False``: the previous batch again.
+        batch_id: fresh draws since training began, minus one: the same for every step of a reuse window.
+        sample_ids: ``LongTensor`` of the batch's samples in order: dataset indices for a map-style ``DataLoader``,
+            a running count of the samples read for other sources; ``None`` when unknown.
+        distinct_samples: samples read so far, this batch included; a reused batch adds nothing (the data budget).
+        step: batches the loader yielded before this one since training began.
     """
 
     fresh: bool
@@ -48,34 +41,24 @@ class BatchInfo:
     step: int
 
 
+def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> tuple[float, int, int, int]:
+    if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and math.isfinite(p) and 0.0 < p <= 1.0):
+        raise ValueError(f"p must be a number in the range (0, 1]: it is the probability of drawing a fresh mini-batch "
+                         f"at each training step (p = 1: no reuse; smaller p: about 1/p steps per batch). Got p={p!r}.")
+    ints = [isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (seed, num_replicas, replica_rank)]
+    if not ints[0]:
+        raise ValueError(f"seed must be an int (shared by all pipeline stages), got {seed!r}.")
+    if not ints[1] or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
+    if not ints[2] or not 0 <= replica_rank < num_replicas:
+        raise ValueError(f"replica_rank must be an int in [0, num_replicas={num_replicas}), got {replica_rank!r}.")
+    return float(p), int(seed), int(num_replicas), int(replica_rank)
+
+
 def _mix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
-
-
-class Decisions:
-    """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
-    depends on (seed, t) only, so processes agree, nothing is saved, and the future can be simulated."""
-
-    def __init__(self, seed: int, p: float) -> None:
-        self.p, self._base = p, _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
-
-    def fresh(self, step: int) -> bool:
-        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
-
-    def epoch_steps(self, start: int, num_batches: int) -> int:
-        """Steps of an epoch of ``num_batches`` batches that begins at step ``start``: it ends at the first fresh
-        decision that finds them all drawn (that step is the next epoch's first)."""
-        if num_batches <= 0 or self.p >= 1.0:
-            return max(num_batches, 0)
-        drawn, t = 1, start + 1
-        while True:
-            if self.fresh(t):
-                if drawn == num_batches:
-                    return t - start
-                drawn += 1
-            t += 1
 
 
 def _is_plain(obj: Any, depth: int = 0) -> bool:
@@ -88,50 +71,50 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
 
 
 class LazySampler:
-    """Fresh batch with probability ``p``, else the previous one again; epochs, batch infos and checkpoints.
+    """``LazySamplingLoader`` without a trainer. An epoch is not begun (position 0), restored or running."""
 
-    ``step``, ``fresh_draws`` and ``distinct_samples`` count, since training began, the batches yielded (Lightning may
-    have fetched the latest one ahead), the fresh draws and the samples read (reused batches not counted again). An
-    epoch is not begun (position 0), restored (position > 0, not running) or running.
-    """
-
-    def __init__(self, source: Iterable, p: float, seed: int, num_replicas: int, replica_rank: int) -> None:
-        self.p, self.seed, self.num_replicas, self.replica_rank = p, seed, num_replicas, replica_rank
-        self._decisions = Decisions(seed, p)
+    def __init__(self, source: Iterable, p: float = 0.5, seed: int = 0, num_replicas: int = 1,
+                 replica_rank: int = 0) -> None:
+        self.p, self.seed, self.num_replicas, self.replica_rank = check_settings(p, seed, num_replicas, replica_rank)
+        if isinstance(source, LazySampler):
+            raise ValueError("source is already a LazySamplingLoader; wrap the underlying loader instead.")
+        if not isinstance(source, Iterable):
+            raise TypeError(f"source must be an iterable of batches (e.g. a DataLoader), got {type(source).__name__}.")
+        self._base = _mix64((seed * _GAMMA + 0x632BE59BD9B4E019) & _MASK64)
         self._source = make_source(source, num_replicas, replica_rank, seed)
         self.step = self.fresh_draws = self.distinct_samples = 0
         self._epoch = 0  # the running or restored epoch, else the next one
-        self._infos: OrderedDict[int, BatchInfo] = OrderedDict()  # by Lightning's batch_idx
-        self._states: OrderedDict[int, tuple] = OrderedDict()  # right after the latest yields, by the next batch_idx
+        self._infos: deque = deque(maxlen=INFO_WINDOW)  # (Lightning's batch_idx, BatchInfo)
+        self._states: deque = deque(maxlen=2)  # (next batch_idx, state) after the last two yields
         self._offset = 0  # Lightning's batch_idx minus the position (not 0 after some resumes of a source without len)
         self._length = (-1, -1, 0)  # (first step, batches, steps) of the last epoch simulated
         self._leave_epoch(ended=False)
 
-    def _trainer_ready(self) -> Optional[int]:
-        """Hook: batches the trainer has taken from the current epoch (Lightning's next batch_idx); None without one."""
+    def _trainer_ready(self) -> Optional[int]:  # the trainer's next batch_idx (None without one): see data.py
         return None
 
-    def _sync_trainer_length(self, length: int) -> None:
-        """Hook, called at the first step of every epoch of known length: tell the trainer its number of batches."""
+    def _sync_trainer_length(self, length: int) -> None:  # at an epoch's first step, its length for the trainer
+        pass
+
+    def _fresh_at(self, step: int) -> bool:
+        """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
+        depends on (seed, t) only, so processes agree, nothing is saved and the future can be simulated."""
+        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
 
     @property
-    def source(self) -> Iterable:
-        """The wrapped train loader / iterable."""
+    def source(self) -> Iterable:  # the wrapped train loader / iterable
         return self._source.wrapped
 
     @property
-    def epoch(self) -> int:
-        """Index of the current epoch (of the next one between epochs)."""
+    def epoch(self) -> int:  # the current epoch (between epochs: the next one)
         return self._epoch + int(self._running and self._at_epoch_end())
 
     def batch_info(self, batch_idx: int) -> BatchInfo:
-        """Metadata of the batch yielded at position ``batch_idx`` of the current epoch (Lightning's ``batch_idx``)."""
-        info = self._infos.get(int(batch_idx))
-        if info is None:
-            raise KeyError(
-                f"LazySamplingLoader.batch_info: no batch at position {batch_idx} of the current epoch among the "
-                f"last {INFO_WINDOW} yielded (known positions: {list(self._infos)}). batch_idx is the index Lightning "
-                "passes to training_step, i.e. the number of batches yielded before it in this epoch.")
+        """The :class:`BatchInfo` of the batch at position ``batch_idx`` of the epoch (Lightning's ``batch_idx``)."""
+        if (info := next((info for idx, info in self._infos if idx == batch_idx), None)) is None:
+            raise KeyError(f"LazySamplingLoader.batch_info: no batch at position {batch_idx} of the current epoch among"
+                           f" the last {INFO_WINDOW} yielded (known: {[idx for idx, _ in self._infos]}); batch_idx is "
+                           "the one Lightning passes to training_step.")
         return info
 
     def replace_source(self, source: Iterable) -> None:
@@ -140,40 +123,39 @@ class LazySampler:
             self._leave_epoch()
         self._source = make_source(source, self.num_replicas, self.replica_rank, self.seed)
 
-    def _epoch_length(self) -> Optional[int]:
-        """Steps of the current epoch (simulated), None when the source has no length."""
+    def _epoch_length(self) -> Optional[int]:  # up to the fresh decision that finds every batch drawn (None: no len)
         start, n = self.step - self._pos, self._source.num_batches()
         if n is not None and self._length[:2] != (start, n):
-            self._length = (start, n, self._decisions.epoch_steps(start, n))
+            t, found = start, 0
+            while found < n:
+                t += 1
+                found += self._fresh_at(t)
+            self._length = (start, n, t - start)
         return None if n is None else self._length[2]
 
     def _at_epoch_end(self) -> bool:
         length = self._epoch_length()
         return length is not None and self._pos >= length
 
-    def _leave_epoch(self, ended: bool = True) -> None:
-        """Forget the running or restored epoch and close the pass (the infos stay for its last batches)."""
+    def _leave_epoch(self, ended: bool = True) -> None:  # the infos stay for the epoch's last batches
         self._source.end()
         self._epoch += int(ended)
         self._running = self._open = False
         self._pos = self._fresh = 0  # batches yielded and fresh draws in the epoch
         self._batch = self._ids = self._wrapped_state = None
-        self._states.clear()
+        self._remember_state(clear=True)  # what a checkpoint between epochs holds
 
     def __len__(self) -> int:
         if self._running and self._at_epoch_end():
             self._leave_epoch()  # after its last step, len() describes the next epoch
-        length = self._epoch_length()
-        if length is None:
+        if (length := self._epoch_length()) is None:
             raise TypeError("LazySamplingLoader has no length: the wrapped source has none.")
         return length
 
     def __iter__(self) -> "LazySampler":
         if self._running:
             self._leave_epoch()  # a new pass: the rest of a running epoch is dropped
-        # An epoch not begun or restored is used as is: nothing happens before the first next() (so an iter() nobody
-        # pulls from, like Lightning's iterability check, changes nothing).
-        self._open = True
+        self._open = True  # an epoch not begun or restored starts at the first next() (an unused iter() is harmless)
         return self
 
     def __next__(self) -> Any:
@@ -185,23 +167,18 @@ class LazySampler:
                 self._open = True
             self._begin()
         t = self.step
-        fresh = self._pos == 0 or self._batch is None or self._decisions.fresh(t)
+        fresh = self._pos == 0 or self._batch is None or self._fresh_at(t)
         if fresh:
-            n = self._source.num_batches()
-            try:
-                if n is not None and self._fresh >= n:
-                    raise StopIteration
+            try:  # a source raises StopIteration after its last batch of the pass
                 self._batch, self._ids, count, self._wrapped_state = self._source.draw(self._fresh,
                                                                                       self.distinct_samples)
             except StopIteration:
                 self._leave_epoch()
                 raise
-            self._fresh += 1
-            self.fresh_draws, self.distinct_samples = self.fresh_draws + 1, self.distinct_samples + count
-        self._infos[self._offset + self._pos] = BatchInfo(fresh, self.fresh_draws - 1, self._ids,
-                                                          self.distinct_samples, t)
-        while len(self._infos) > INFO_WINDOW:
-            self._infos.popitem(last=False)
+            self._fresh, self.fresh_draws, self.distinct_samples = (self._fresh + 1, self.fresh_draws + 1,
+                                                                    self.distinct_samples + count)
+        self._infos.append((self._offset + self._pos, BatchInfo(fresh, self.fresh_draws - 1, self._ids,
+                                                                self.distinct_samples, t)))
         self.step, self._pos = t + 1, self._pos + 1
         self._remember_state()
         return self._batch
@@ -210,50 +187,38 @@ class LazySampler:
         if self._pos == 0:
             self._source.begin(self._epoch)
         ready = self._trainer_ready()
-        self._offset = 0 if ready is None else ready - self._pos
-        self._running = True
+        self._offset, self._running = 0 if ready is None else ready - self._pos, True
         self._infos.clear()
-        self._states.clear()
-        self._remember_state()
-        length = self._epoch_length()
-        if length is not None:
+        self._remember_state(clear=True)
+        if (length := self._epoch_length()) is not None:
             self._sync_trainer_length(self._offset + length)
 
-    def _remember_state(self) -> None:
-        """Keep what a checkpoint right after the latest yield needs, under the batch_idx of the batch after it."""
-        reused_next = self._batch is not None and not self._decisions.fresh(self.step)
-        self._states[self._offset + self._pos] = (self.step, self.fresh_draws, self.distinct_samples, self._pos,
-                                                  self._fresh, self._ids, self._batch if reused_next else None,
-                                                  self._wrapped_state)
-        while len(self._states) > 2:  # Lightning is at most one batch behind the latest yield
-            self._states.popitem(last=False)
+    def _remember_state(self, clear: bool = False) -> None:  # a checkpoint's state now, by the next batch_idx
+        if clear:
+            self._states.clear()
+        reused_next = self._batch is not None and not self._fresh_at(self.step)
+        self._states.append((self._offset + self._pos, (self.step, self.fresh_draws, self.distinct_samples, self._pos,
+                             self._fresh, self._ids, self._batch if reused_next else None, self._wrapped_state)))
 
     def _settings(self) -> dict:
         return {"p": self.p, "seed": self.seed, "num_replicas": self.num_replicas, "replica_rank": self.replica_rank,
                 "source_kind": self._source.kind}
 
     def state_dict(self) -> dict:
-        """All it takes to go on exactly after the batch the trainer consumed last (without one: the latest yielded):
-        counters, the epoch and position in it (0: begin it), the batch to reuse (when plain, else None: rebuilt on
-        load) and what the source needs (the RNG states the epoch's order is drawn from, an iterable's state)."""
-        if self._running or self._pos:
-            state = self._states.get(self._trainer_ready()) or next(reversed(self._states.values()))  # type: ignore
-        else:
-            state = (self.step, self.fresh_draws, self.distinct_samples, 0, 0, None, None, None)
+        """All it takes to go on exactly after the batch the trainer took last (else the latest yielded)."""
+        ready = self._trainer_ready()
+        state = next((state for idx, state in self._states if idx == ready), self._states[-1][1])
         saved = dict(zip(_STATE_KEYS, state), version=_STATE_VERSION, epoch=self._epoch, **self._settings(),
                      **self._source.checkpoint())
         saved["batch"] = saved["batch"] if _is_plain(saved["batch"]) else None
         return saved
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Go on from a ``state_dict``: the source is put back now, the next ``iter()`` resumes at the saved batch."""
-        state = dict(state_dict)
+    def load_state_dict(self, state: dict) -> None:
+        """The source is put back now; the next ``iter()`` resumes at the saved batch."""
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"LazySamplingLoader: the checkpoint holds lazy-sampling state of version {state.get('version')!r}, "
-                f"this code reads version {_STATE_VERSION} (the layout changed when lazy sampling was "
-                "rewritten). Resume it with the release that wrote it, or start a new run from its weights "
-                "(`Model.load_from_checkpoint(path)` and fit without ckpt_path).")
+            raise ValueError(f"LazySamplingLoader: the checkpoint holds lazy-sampling state of version "
+                             f"{state.get('version')!r}, this code reads version {_STATE_VERSION}. Resume it with the "
+                             "release that wrote it, or fit anew from `Model.load_from_checkpoint(path)`.")
         for key, value in self._settings().items():
             if state.get(key) != value:
                 warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
@@ -262,13 +227,11 @@ class LazySampler:
         self.step, self.fresh_draws, self.distinct_samples, self._pos, self._fresh = (
             int(state[key]) for key in _STATE_KEYS[:5])
         self._epoch, self._ids, self._wrapped_state = int(state["epoch"]), state["ids"], state["wrapped_state"]
-        need_batch = self._pos > 0 and state["batch"] is None and not self._decisions.fresh(self.step)
+        need_batch = self._pos > 0 and state["batch"] is None and not self._fresh_at(self.step)
         rebuilt = self._source.restore(self._epoch, state, need_batch)
         self._batch = rebuilt if state["batch"] is None else state["batch"]
         if need_batch and rebuilt is None:
-            warnings.warn("LazySamplingLoader: exact resume is impossible: the checkpoint does not hold the batch to "
-                          "reuse and it cannot be rebuilt (keep batches to tensors, numbers and strings in lists, "
-                          "tuples and dicts, or use a map-style DataLoader); a fresh batch is drawn instead.",
-                          RuntimeWarning)
-        if self._pos:
-            self._remember_state()
+            warnings.warn("LazySamplingLoader: exact resume is impossible: the batch to reuse is not in the checkpoint "
+                          "and cannot be rebuilt (keep batches to tensors, numbers and strings in lists, tuples and "
+                          "dicts, or use a map-style DataLoader); a fresh batch is drawn instead.", RuntimeWarning)
+        self._remember_state(clear=True)
