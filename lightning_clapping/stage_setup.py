@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_clapping import _compat
 from lightning_clapping import precision
-from lightning_clapping.checkpoint.state import gather_to_zero
+from lightning_clapping.checkpoint.state import gather_to_zero, retie
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.options import ClappingOptions
@@ -256,6 +256,8 @@ def release_stage(module: pl.LightningModule | None, runner: StageRunner | None,
         keys = set(module.state_dict(keep_vars=True))
         module.load_state_dict({k: v for k, v in full_state.items() if k in keys}, assign=True)
         _set_buffers(module, {k: v for k, v in full_state.items() if k not in keys})
+        if runner is not None:  # assign=True gave every name a parameter of its own: tie them again
+            retie(module, runner.partition.aliases)
     if module is not None:
         for t in list(module.parameters()) + list(module.buffers()):
             if t.device.type not in ("meta", "cpu"):

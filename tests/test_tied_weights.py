@@ -157,7 +157,7 @@ def runs(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("tied")
     launch("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams,bert_resume", cwd=out, timeout=600)
-    launch("tied_run.py", str(out), "pipe", "gpt2x4,replicas", cwd=out, timeout=600)
+    launch("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas", cwd=out, timeout=600)
     launch("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume,bert_resume", cwd=out, timeout=600)
     return SimpleNamespace(out=out)
 
@@ -168,7 +168,8 @@ def _assert_weights_close(a, b):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("case, reference", [("gpt2", "gpt2"), ("gpt2x4", "gpt2"), ("bert", "bert")])
+@pytest.mark.parametrize("case, reference", [("gpt2", "gpt2"), ("gpt2x4", "gpt2"), ("bert", "bert"),
+                                             ("bertx4", "bert")])
 def test_tied_models_train_on_2_and_4_stages_as_in_one_process(runs, case, reference):
     pipe, single = _row(runs.out, case, "pipe"), _row(runs.out, reference, "single")
     assert len(pipe["losses"]) == len(single["losses"]) == 4
@@ -180,12 +181,18 @@ def test_replicas_with_accumulation_and_clipping_train_as_one_process_on_the_uni
     _assert_weights_close(_weights(runs.out, "replicas", "pipe"), _weights(runs.out, "replicas", "single"))
 
 
-@pytest.mark.parametrize("case, ranks", [("gpt2", 2), ("gpt2x4", 4), ("bert", 2), ("gpt2q", 2), ("replicas", 4)])
+@pytest.mark.parametrize("case, ranks", [("gpt2", 2), ("gpt2x4", 4), ("bert", 2), ("bertx4", 4), ("gpt2q", 2),
+                                         ("replicas", 4)])
 def test_the_tied_copies_are_bit_identical_across_stages_at_the_end(runs, case, ranks):
     copies = [v for r in range(ranks) for v in torch.load(runs.out / f"{case}_pipe_copies_rank{r}.pt").values()]
     assert len(copies) == (4 if case == "replicas" else 2)  # two per pipeline: the middle stages hold none
     for other in copies[1:]:
         assert torch.equal(other, copies[0])
+
+
+@pytest.mark.parametrize("case", ["gpt2", "gpt2x4", "bert"])
+def test_after_fit_the_launching_process_holds_the_tied_tensor_once(runs, case):
+    assert _row(runs.out, case, "pipe")["tied_after_fit"] is True
 
 
 def test_a_compressed_tied_sum_trains(runs):

@@ -96,6 +96,7 @@ CASES = {
     "gpt2q": ("gpt2", 2, 1, {}, {"tied_codec": "q4"}, 96),
     "bert": ("bert", 2, 1, {}, {}, 32),
     "gpt2x4": ("gpt2", 4, 1, {}, {}, 32),
+    "bertx4": ("bert", 4, 1, {}, {}, 32),
     "replicas": ("gpt2", 2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, {}, 32),
     "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
     "bert_resume": ("bert", 2, 1, {"max_epochs": 2}, {}, 32),
@@ -136,7 +137,10 @@ def run(out: Path, mode: str, case: str) -> None:
     rank = trainer.global_rank
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("clapping/")}
     row = {"losses": record.losses, "metrics": metrics, "checkpoint": trainer.checkpoint_callback.best_model_path,
-           "totals": trainer.strategy.byte_totals if mode == "pipe" else {}, "steps": trainer.global_step}
+           "totals": trainer.strategy.byte_totals if mode == "pipe" else {}, "steps": trainer.global_step,
+           # after a "full" run the launching process holds the whole model: tied as one process holds it
+           "tied_after_fit": model.get_parameter(TIED[arch][0]) is model.get_parameter(TIED[arch][1])
+           if rank == 0 and case != "hparams" else None}
     torch.save(record.copies, out / f"{case}_{mode}_copies_rank{rank}.pt")
     if rank == 0:
         torch.save(model.state_dict(), out / f"{case}_{mode}_weights.pt")
