@@ -44,7 +44,7 @@ def build(arch: str):
         return GPT2LMHeadModel(config)
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     return BertForMaskedLM(config)
