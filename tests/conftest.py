@@ -167,8 +167,9 @@ def launch_forked(script, *args, ranks: int | None, cwd: Path, timeout: float = 
     proc.returncodes, proc.timed_out = codes, timed_out
     if expect_ok and (proc.returncode != 0 or timed_out):
         why = f"timed out after {timeout:.0f} s" if timed_out else f"exit codes {codes}"
-        pytest.fail(f"{name} {' '.join(map(str, args))} (forked, ranks={ranks}) failed: {why}\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        tails = "".join(f"\n--- process {r} (exit {c}): stdout\n{outs[r][-1500:]}\n--- stderr\n{errs[r][-4000:]}"
+                        for r, c in enumerate(codes) if c != 0 or timed_out)
+        pytest.fail(f"{name} {' '.join(map(str, args))} (forked, ranks={ranks}) failed: {why}{tails}")
     return proc
 
 
