@@ -114,6 +114,12 @@ def launch_forked(script, *args, ranks: int | None, cwd: Path, timeout: float = 
     import tempfile
     import time
 
+    # what the scripts import, imported here once (a test module that needs none of it leaves it to its ranks)
+    import lightning.pytorch  # noqa: F401
+    import torch  # noqa: F401
+
+    import lightning_clapping  # noqa: F401
+
     world = ranks or 1
     name = script if isinstance(script, str) else script.__name__
     launcher_env = {}
