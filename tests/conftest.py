@@ -160,7 +160,8 @@ def launch_forked(script, *args, ranks: int | None, cwd: Path, timeout: float = 
             time.sleep(0.05)
     finally:
         for i, pid in enumerate(pids):
-            _kill_group(pid)
+            if codes[i] is None or _group_alive(pid):  # unreaped, or its group has members: the id is still ours
+                _kill_group(pid)
             if codes[i] is None:
                 codes[i] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     outs = [(logs / f"out{r}").read_text(errors="replace") for r in range(world)]
