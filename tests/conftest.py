@@ -94,7 +94,8 @@ def launch_forked(script, *args, ranks: int | None, cwd: Path, timeout: float = 
     When to use which: fork the ranks when the promise is about what the ranks compute (gradients, weights,
     bytes, checkpoints, error messages raised inside a step). Keep :func:`launch` for the promises about how
     processes start and end: signals sent to the launching process, hung stages, torchrun, several nodes, and a
-    script that must start without this package imported (LightningCLI, Hydra, ``import pytorch_lightning``).
+    script that must start without this package imported (LightningCLI, Hydra, ``import pytorch_lightning``); and
+    for runs on CUDA devices (``tests/gpu``: a fork cannot use CUDA once its parent has initialised it).
 
     The forked process is set up as a fresh one would be: its own process group and output files, the launcher's
     and seed variables of the test process dropped (:data:`FRESH_ENV_DROPS`), ``PYTHONPATH`` and
