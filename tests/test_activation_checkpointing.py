@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from _models import TinyGPT
 from _models import Block as GPTBlock
-from conftest import launch
+from conftest import launch_forked
 from lightning_clapping import ClappingStrategy
 from lightning_clapping.pipeline.recompute import check_policy, targets
 from lightning_clapping.comm.placement import Placement, Topology
@@ -109,7 +109,7 @@ def test_activation_checkpointing_accepts_true_classes_and_off():
 
 
 def test_two_stage_training_with_dropout_is_the_same_with_activation_checkpointing(tmp_path):
-    launch("precision_run.py", "pipe", str(tmp_path), "dropout,dropout_ckpt", cwd=tmp_path, timeout=600)
+    launch_forked("precision_run.py", "pipe", str(tmp_path), "dropout,dropout_ckpt", ranks=2, cwd=tmp_path, timeout=600)
     for rank, blocks in ((0, ["net.3", "net.4", "net.5"]), (1, ["net.0", "net.1", "net.2"])):  # rank 0: last stage
         ckpt = json.loads((tmp_path / f"dropout_ckpt_pipe_rank{rank}.json").read_text())
         assert ckpt["checkpointed"] == blocks

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_clapping
-from conftest import ROOT, launch
+from conftest import ROOT, launch_forked
 from examples.big_model import WideMLP
 from lightning_clapping.checkpoint.state import check_model_keys
 from lightning_clapping.pipeline.materialize import MaterializeError, materialize, materialize_module
@@ -27,8 +26,9 @@ def _rows(out, name, ranks):
 def sharded_runs(tmp_path_factory):
     """4 stages train 3 steps and save a sharded checkpoint; 2 stages resume it for one more step."""
     out = tmp_path_factory.mktemp("big")
-    launch("bigmodel_run.py", str(out), "a", "4", "3", cwd=out, env=SMALL)
-    launch("bigmodel_run.py", str(out), "b", "2", "4", "--resume", str(out / "a.ckpt"), cwd=out, env=SMALL)
+    launch_forked("bigmodel_run.py", str(out), "a", "4", "3", ranks=4, cwd=out, env=SMALL)
+    launch_forked("bigmodel_run.py", str(out), "b", "2", "4", "--resume", str(out / "a.ckpt"), ranks=2, cwd=out,
+                  env=SMALL)
     return out
 
 
@@ -44,7 +44,8 @@ def test_configure_model_ranks_materialize_only_their_own_stage(sharded_runs):
 
 
 def test_a_model_built_under_init_module_empty_init_materializes_only_each_stage(tmp_path):
-    launch("bigmodel_run.py", str(tmp_path), "i", "4", "1", "--init-module", "--memory-only", cwd=tmp_path, env=SMALL)
+    launch_forked("bigmodel_run.py", str(tmp_path), "i", "4", "1", "--init-module", "--memory-only", ranks=4,
+                  cwd=tmp_path, env=SMALL)
     for row in _rows(tmp_path, "i", 4):
         for name, device in row["devices"].items():
             assert device == ("cpu" if _owner_stage(name) == row["stage"] else "meta"), (row["stage"], name)
@@ -60,7 +61,8 @@ def test_peak_memory_per_rank_stays_below_the_model_size():
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         env = {"BIG_WIDTH": "4096", "BIG_LAYERS": "8", "BIG_MOMENTUM": "0"}
-        launch("bigmodel_run.py", str(out), "m", "4", "2", "--memory-only", cwd=out, env=env)
+        # forked ranks: a fork starts with its peak RSS reset to what it holds, and tensors of a block are mmapped
+        launch_forked("bigmodel_run.py", str(out), "m", "4", "2", "--memory-only", ranks=4, cwd=out, env=env)
         rows = _rows(out, "m", 4)
     for row in rows:
         assert row["train_peak_above_start"] < 0.8 * row["model_bytes"], row
@@ -79,12 +81,18 @@ def test_initial_weights_are_the_same_whatever_the_number_of_stages(sharded_runs
     assert seen == len(reference)
 
 
+def _consolidate(folder, output):
+    import runpy
+
+    sys.argv = ["consolidate_checkpoint", str(folder), "--output_file", str(output)]
+    runpy.run_module("lightning.pytorch.utilities.consolidate_checkpoint", run_name="__main__")
+
+
 def test_sharded_checkpoint_consolidates_into_a_file_that_loads_without_the_package(sharded_runs, tmp_path):
     folder = sharded_runs / "a.ckpt"
     assert (folder / "meta.pt").is_file() and len(list(folder.glob("*.distcp"))) == 4  # one shard per stage
     single = tmp_path / "single.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder),
-                    "--output_file", str(single)], check=True, cwd=ROOT, capture_output=True)
+    launch_forked(_consolidate, folder, single, ranks=1, cwd=ROOT)  # `python -m ...consolidate_checkpoint`
     loaded = WideMLP.load_from_checkpoint(single).state_dict()
     trained = {}
     for r in range(4):
@@ -110,8 +118,8 @@ def test_sharded_checkpoint_resumes_on_fewer_stages_with_the_same_optimizer_stat
 
 def test_a_sharded_checkpoint_of_another_model_is_refused_with_the_names(sharded_runs, tmp_path):
     env = {**SMALL, "BIG_LAYERS": "5"}
-    proc = launch("bigmodel_run.py", str(tmp_path), "c", "2", "4", "--resume", str(sharded_runs / "a.ckpt"),
-                  cwd=tmp_path, env=env, expect_ok=False, timeout=240)
+    proc = launch_forked("bigmodel_run.py", str(tmp_path), "c", "2", "4", "--resume", str(sharded_runs / "a.ckpt"),
+                         ranks=2, cwd=tmp_path, env=env, expect_ok=False, timeout=240)
     assert proc.returncode != 0
     assert "does not match the model: missing 2 keys (first: ['blocks.4.0.weight', 'blocks.4.0.bias'])" in proc.stderr
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_clapping.comm.wire import message_nbytes
 from lightning_clapping.codecs import get_codec
-from conftest import launch
+from conftest import launch_forked
 
 RUNS = {
     "raw_p1": {"variant": "uncompressed", "p": 1.0},
@@ -34,7 +34,8 @@ STAGES = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     path = tmp_path_factory.mktemp("compression")
-    launch("feedback_run.py", str(path), *(f"{k}={json.dumps(v)}" for k, v in RUNS.items()), cwd=path, timeout=900)
+    launch_forked("feedback_run.py", str(path), *(f"{k}={json.dumps(v)}" for k, v in RUNS.items()), ranks=STAGES,
+                  cwd=path, timeout=900)
     return path
 
 

@@ -15,7 +15,7 @@ import pytest
 import lightning_clapping
 from lightning_clapping import ClappingStrategy, PartitionError
 from _models import SequentialMLP, TinyGPT
-from conftest import ROOT, SCRIPTS, launch
+from conftest import ROOT, SCRIPTS, launch, launch_forked
 
 
 def _trainer(devices, **strategy_kwargs):
@@ -77,40 +77,40 @@ def test_strategy_name_is_registered_on_import():
 
 
 def test_forward_whose_values_crossing_the_cut_change_between_steps_fails_with_the_reason(tmp_path):
-    proc = launch("failing_run.py", "unsplittable", cwd=tmp_path, expect_ok=False, timeout=120)
+    proc = launch_forked("failing_run.py", "unsplittable", ranks=2, cwd=tmp_path, expect_ok=False, timeout=120)
     assert proc.returncode != 0
     assert "but the first step's forward did not use it here" in proc.stderr
     assert "make the forward the same on every step, or cut the model elsewhere" in proc.stderr
 
 
 def test_processes_that_cut_the_model_differently_are_refused_before_training(tmp_path):
-    proc = launch("failing_run.py", "other_cuts", cwd=tmp_path, expect_ok=False, timeout=120)
+    proc = launch_forked("failing_run.py", "other_cuts", ranks=2, cwd=tmp_path, expect_ok=False, timeout=120)
     assert proc.returncode != 0
     assert "the processes cut the model differently: rank 0 at ['net.4'], rank 1 at ['net.2']" in proc.stderr
 
 
 def test_microbatches_larger_than_the_batch_are_refused_at_the_first_step(tmp_path):
-    proc = launch("failing_run.py", "microbatches", cwd=tmp_path, expect_ok=False, timeout=120)
+    proc = launch_forked("failing_run.py", "microbatches", ranks=2, cwd=tmp_path, expect_ok=False, timeout=120)
     assert proc.returncode != 0
     assert "microbatches=8 is larger than the batch (4 samples)" in proc.stderr
 
 
 def test_a_stage_that_dies_ends_the_whole_run(tmp_path):
     start = time.monotonic()
-    proc = launch("failing_run.py", "child_dies", cwd=tmp_path, expect_ok=False, timeout=180)
+    proc = launch_forked("failing_run.py", "child_dies", ranks=None, cwd=tmp_path, expect_ok=False, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - start < 120
 
 
 def test_when_rank0_dies_the_other_stages_stop_after_the_timeout(tmp_path):
     start = time.monotonic()
-    proc = launch("failing_run.py", "rank0_dies", cwd=tmp_path, expect_ok=False, timeout=180)
+    proc = launch_forked("failing_run.py", "rank0_dies", ranks=None, cwd=tmp_path, expect_ok=False, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - start < 120
 
 
 def test_rank0_names_the_stage_that_failed_and_its_exception(tmp_path):
-    proc = launch("failing_run.py", "child_raises", cwd=tmp_path, expect_ok=False, timeout=180)
+    proc = launch_forked("failing_run.py", "child_raises", ranks=None, cwd=tmp_path, expect_ok=False, timeout=180)
     assert proc.returncode != 0
     rank0 = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]")]
     assert any("StageFailure: stage 0 (rank 1) failed: ValueError: boom in the first stage" in line

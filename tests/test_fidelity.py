@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SCRIPTS, launch
+from conftest import SCRIPTS, launch_forked
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -24,8 +24,9 @@ def runs(tmp_path_factory):
     """The cases that train to the end, in one launch on 2 stages and one on a single device; each test reads its
     own case (and the batchnorm test the pipeline launch's stderr)."""
     out = tmp_path_factory.mktemp("fidelity")
-    pipe = launch("fidelity_run.py", str(out), "rng,batchnorm,hparams,epochend", "pipe", cwd=out, timeout=600)
-    launch("fidelity_run.py", str(out), "hparams,epochend", "single", cwd=out, timeout=300)
+    pipe = launch_forked("fidelity_run.py", str(out), "rng,batchnorm,hparams,epochend", "pipe", ranks=2, cwd=out,
+                         timeout=600)
+    launch_forked("fidelity_run.py", str(out), "hparams,epochend", "single", ranks=1, cwd=out, timeout=300)
     return SimpleNamespace(out=out, pipe_stderr=pipe.stderr)
 
 
@@ -37,7 +38,8 @@ def test_stages_train_on_the_same_batches_when_they_consume_the_global_rng_diffe
 
 
 def test_a_stage_fed_other_data_stops_the_run_with_the_reason(tmp_path):
-    proc = launch("fidelity_run.py", str(tmp_path), "otherdata", "pipe", cwd=tmp_path, expect_ok=False, timeout=240)
+    proc = launch_forked("fidelity_run.py", str(tmp_path), "otherdata", "pipe", ranks=2, cwd=tmp_path, expect_ok=False,
+                         timeout=240)
     assert proc.returncode != 0
     assert "trained on another batch than the last stage at step 0" in proc.stderr
 
@@ -94,8 +96,8 @@ def test_arguments_are_checked_when_the_strategy_is_built(kwargs, match):
 
 
 def test_parameters_on_the_lightning_module_are_trained_and_saved_by_the_stage_that_uses_them(tmp_path):
-    for mode in ("pipe", "single"):
-        launch("root_params_run.py", str(tmp_path), "owned", mode, cwd=tmp_path)
+    for mode, ranks in (("pipe", 3), ("single", 1)):
+        launch_forked("root_params_run.py", str(tmp_path), "owned", mode, ranks=ranks, cwd=tmp_path)
     pipe, single = (torch.load(tmp_path / f"owned_{m}.pt") for m in ("pipe", "single"))
     assert json.loads((tmp_path / "owned_pipe.json").read_text())["losses"] == pytest.approx(
         json.loads((tmp_path / "owned_single.json").read_text())["losses"], abs=1e-5)
@@ -106,7 +108,8 @@ def test_parameters_on_the_lightning_module_are_trained_and_saved_by_the_stage_t
 
 
 def test_a_parameter_on_the_lightning_module_used_by_two_stages_is_refused_with_the_reason(tmp_path):
-    proc = launch("root_params_run.py", str(tmp_path), "twice", "pipe", cwd=tmp_path, expect_ok=False, timeout=240)
+    proc = launch_forked("root_params_run.py", str(tmp_path), "twice", "pipe", ranks=3, cwd=tmp_path, expect_ok=False,
+                         timeout=240)
     assert proc.returncode != 0
     assert "'pos' sits directly on a module whose forward runs on several stages, and stages 0 and 2 both use it" \
         in proc.stderr

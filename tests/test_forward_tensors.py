@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from conftest import launch
+from conftest import launch_forked
 from lightning_clapping.pipeline import stage as stage_mod
 from lightning_clapping.pipeline.partition import build_partition
 from lightning_clapping.pipeline.stage import SplitError, StageRunner
@@ -298,8 +298,8 @@ def test_data_dependent_module_is_refused_with_the_reason_and_what_to_do(cls, re
 def test_gpt_building_masks_positions_and_rotary_in_forward_trains_like_one_process_on_3_stages(tmp_path):
     # cut at blocks.1 and blocks.2: stage 1 skips the embedding (arange) and block 0 (triu mask); stage 2 also skips
     # block 1 (rotary table over a plain-attribute frequency tensor: the fake-tensor fallback)
-    launch("forward_tensors_run.py", "pipe", str(tmp_path), cwd=tmp_path, timeout=300)
-    launch("forward_tensors_run.py", "single", str(tmp_path), cwd=tmp_path, timeout=300)
+    launch_forked("forward_tensors_run.py", "pipe", str(tmp_path), ranks=3, cwd=tmp_path, timeout=300)
+    launch_forked("forward_tensors_run.py", "single", str(tmp_path), ranks=1, cwd=tmp_path, timeout=300)
     pipe, single = (json.loads((tmp_path / f"forward_tensors_{m}.json").read_text())["losses"]
                     for m in ("pipe", "single"))
     assert len(pipe) == len(single) == 3

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import launch
+from conftest import launch_forked
 from lightning_clapping.pipeline.stage import SplitError, check_finite
 
 
@@ -29,8 +29,8 @@ def test_check_finite_refuses_nan_and_says_so(first_step):
 
 def test_float_mask_with_minus_inf_crosses_a_boundary_and_training_matches_one_device(tmp_path):
     # 2 stages cut at blocks.1: the boundary carries the hidden states and the -inf causal mask
-    launch("inf_mask_run.py", "pipe", str(tmp_path), cwd=tmp_path, timeout=300)
-    launch("inf_mask_run.py", "single", str(tmp_path), cwd=tmp_path, timeout=300)
+    launch_forked("inf_mask_run.py", "pipe", str(tmp_path), ranks=2, cwd=tmp_path, timeout=300)
+    launch_forked("inf_mask_run.py", "single", str(tmp_path), ranks=1, cwd=tmp_path, timeout=300)
     pipe, single = (json.loads((tmp_path / f"inf_mask_{m}.json").read_text())["losses"] for m in ("pipe", "single"))
     assert len(pipe) == len(single) == 3
     assert pipe == pytest.approx(single, rel=0, abs=1e-5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _models import SequentialMLP
-from conftest import launch
+from conftest import launch_forked
 
 CONFIGS = "base,accumulate,clip,earlystop,syncdist,metrics,resume_full,resume_first,resume_rest"
 STAGES = 3
@@ -19,8 +19,8 @@ STAGES = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    launch("fit_run.py", "pipe", str(out), CONFIGS, cwd=out, timeout=600)
-    launch("fit_run.py", "single", str(out), CONFIGS, cwd=out, timeout=600)
+    launch_forked("fit_run.py", "pipe", str(out), CONFIGS, ranks=STAGES, cwd=out, timeout=600)
+    launch_forked("fit_run.py", "single", str(out), CONFIGS, ranks=1, cwd=out, timeout=600)
     return out
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
-from conftest import launch, run_gloo_ranks
+from conftest import launch_forked, run_gloo_ranks
 from lightning_clapping import ClappingStrategy
 from lightning_clapping.precision import SharedLossScale, scale_loss_weights
 
@@ -107,8 +107,9 @@ def _module(net):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("precision")
-    launch("precision_run.py", "single", str(out), "bf16mixed,bf16true,fp16", cwd=out, timeout=600)
-    launch("precision_run.py", "pipe", str(out), "bf16mixed,bf16true,bf16true_fc,fp16", cwd=out, timeout=600)
+    launch_forked("precision_run.py", "single", str(out), "bf16mixed,bf16true,fp16", ranks=1, cwd=out, timeout=600)
+    launch_forked("precision_run.py", "pipe", str(out), "bf16mixed,bf16true,bf16true_fc,fp16", ranks=2, cwd=out,
+                  timeout=600)
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 from lightning_clapping import ClappingStrategy, LazySamplingDataModule
 from lightning_clapping.comm.placement import Topology
 from lightning_clapping.comm.replicas import GradientAverager, _buckets
-from conftest import launch, run_gloo_ranks
+from conftest import launch_forked, run_gloo_ranks
 
 DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest,sh_first,sh_rest"
 
@@ -20,8 +20,8 @@ DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest,sh_first,sh_rest"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("replicas")
-    launch("replicas_run.py", "dp", str(out), DP_CONFIGS, cwd=out, timeout=600)
-    launch("replicas_run.py", "single", str(out), "plain,clip_acc", cwd=out, timeout=300)
+    launch_forked("replicas_run.py", "dp", str(out), DP_CONFIGS, ranks=4, cwd=out, timeout=600)
+    launch_forked("replicas_run.py", "single", str(out), "plain,clip_acc", ranks=1, cwd=out, timeout=300)
 
     def result(name: str, mode: str, rank: int = 0) -> dict:
         return json.loads((out / f"{name}_{mode}_rank{rank}.json").read_text())

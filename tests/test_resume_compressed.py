@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lightning_clapping.comm.wire import HEADER_BYTES
-from conftest import launch
+from conftest import launch_forked
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,9 @@ def resumed(tmp_path_factory):
 
     def runs(variant, state_dict_type):
         modes = "first" if variant in uninterrupted else "full,first"
-        launch("resume_run.py", str(out), modes, variant, state_dict_type, cwd=out)
+        launch_forked("resume_run.py", str(out), modes, variant, state_dict_type, ranks=3, cwd=out)
         uninterrupted.setdefault(variant, out / f"full_{variant}_{state_dict_type}.json")
-        launch("resume_run.py", str(out), "rest", variant, state_dict_type, cwd=out)
+        launch_forked("resume_run.py", str(out), "rest", variant, state_dict_type, ranks=3, cwd=out)
         full = json.loads(uninterrupted[variant].read_text())
         first = json.loads((out / f"first_{variant}_{state_dict_type}.json").read_text())
         rest = json.loads((out / f"rest_{variant}_{state_dict_type}.json").read_text())

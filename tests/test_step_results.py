@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from conftest import launch
+from conftest import launch_forked
 
 STAGES, STEPS = 3, 8
 
@@ -19,7 +19,7 @@ STAGES, STEPS = 3, 8
 def launched(tmp_path_factory):
     """The folder of the launch that trains twice: logging with sync_dist=True, then with autotune=True."""
     out = tmp_path_factory.mktemp("collectives")
-    launch("collectives_run.py", str(out), "clapping-fc", "sync", "autotune", cwd=out, timeout=360)
+    launch_forked("collectives_run.py", str(out), "clapping-fc", "sync", "autotune", ranks=STAGES, cwd=out, timeout=360)
     return out
 
 

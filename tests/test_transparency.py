@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _models import reference_gradients
-from conftest import has_minilm, launch
+from conftest import has_minilm, launch_forked
 
 
 def _merged(tmp_path, sched, devices):
@@ -46,7 +46,7 @@ def grad_check(tmp_path_factory):
         key = (kind, devices, options)
         if key not in made:
             out = tmp_path_factory.mktemp(f"{kind}{devices}")
-            launch("grad_check.py", kind, str(devices), str(out), *options, cwd=out)
+            launch_forked("grad_check.py", kind, str(devices), str(out), *options, ranks=devices, cwd=out)
             made[key] = out
         return made[key]
 
@@ -89,7 +89,7 @@ def test_each_rank_materializes_only_its_stage_parameters(grad_check):
 
 def test_pipeline_gradients_match_torch_distributed_pipelining(grad_check, tmp_path):
     ours, _ = _merged(grad_check("mlp", 4, "--receives", "both"), "1f1b", 4)  # the sequential model's run above
-    launch("torch_pipelining_reference.py", "4", str(tmp_path), cwd=tmp_path)
+    launch_forked("torch_pipelining_reference.py", "4", str(tmp_path), ranks=1, cwd=tmp_path)  # it starts its ranks
     theirs = {}
     for r in range(4):
         theirs.update(torch.load(tmp_path / f"reference_rank{r}.pt"))

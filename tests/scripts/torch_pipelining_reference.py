@@ -2,8 +2,8 @@
 
 python torch_pipelining_reference.py DEVICES OUT [--microbatches 4]
 
-The model and its batch are built here and each rank is handed its part, so the ranks import torch only (not
-Lightning, which the model classes need).
+The model and its batch are built here and each rank is handed its part; the ranks are forked from this process, so
+they import nothing again.
 """
 
 import argparse
@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 def run(rank, world, port, out, microbatches, parts, batch):
     """``parts[rank]``: (index of its first layer in the model's ``net``, the layers)."""
+    torch.set_num_threads(1)  # a forked process has none of its parent's OpenMP threads
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     lo, part = parts[rank]
@@ -55,7 +56,8 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(args.devices, port, args.out, args.microbatches, parts, batch), nprocs=args.devices)
+    mp.start_processes(run, args=(args.devices, port, args.out, args.microbatches, parts, batch), nprocs=args.devices,
+                       start_method="fork")
 
 
 if __name__ == "__main__":
