@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import SCRIPTS, has_minilm, launch
+from conftest import SCRIPTS, has_minilm, launch_forked
 from lightning_clapping.pipeline.materialize import building_on_meta, materialize_module
 
 pytestmark = pytest.mark.skipif(not has_minilm(), reason="needs transformers (the test extras)")
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not has_minilm(), reason="needs transformers (th
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("after_fit")
-    launch("after_fit_run.py", str(out), cwd=out, timeout=400)
+    launch_forked("after_fit_run.py", str(out), ranks=2, cwd=out, timeout=400)
     return out
 
 

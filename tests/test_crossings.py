@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import launch
+from conftest import launch_forked
 from lightning_clapping.pipeline.crossings import CrossingError, Need, Plan
 from lightning_clapping.pipeline.partition import build_partition
 from lightning_clapping.pipeline.stage import StageExit, StageRunner
@@ -155,10 +155,10 @@ FAMILIES = ("loop", "demo", "llama")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers.models.llama.modeling_llama")  # imported once here, not in every rank
     out = tmp_path_factory.mktemp("crossings")
-    for mode in ("single", "pipe2", "pipe4", "compressed"):
-        launch("crossings_run.py", str(out), mode, cwd=out, timeout=600)
+    for mode, ranks in (("single", 1), ("pipe2", 2), ("pipe4", 4), ("compressed", 2)):
+        launch_forked("crossings_run.py", str(out), mode, ranks=ranks, cwd=out, timeout=600)
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_clapping
-from conftest import has_minilm, launch
+from conftest import has_minilm, launch_forked
 from lightning_clapping.checkpoint.pretrained import PretrainedError, load_pretrained
 from lightning_clapping.pipeline.materialize import building_on_meta, materialize_module
 
@@ -88,7 +88,7 @@ def test_two_stages_read_only_their_own_minilm_tensors_and_hold_the_pretrained_m
 
     from _models import minilm_path
 
-    launch("pretrained_run.py", str(tmp_path), cwd=tmp_path, timeout=400)
+    launch_forked("pretrained_run.py", str(tmp_path), ranks=2, cwd=tmp_path, timeout=400)
     with safe_open(str(minilm_path() / "model.safetensors"), framework="pt") as f:
         in_file = set(f.keys())
     pretrained = BertModel.from_pretrained(minilm_path())

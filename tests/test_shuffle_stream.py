@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import launch
+from conftest import launch_forked
 from lightning_clapping import LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.shuffle import SharedShuffle
 
@@ -40,7 +40,7 @@ def epochs(loader, count: int, rng_draws: int) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("shuffle_stream")
-    launch("shuffle_stream_run.py", str(out), "plain,lazy", cwd=out, timeout=300)
+    launch_forked("shuffle_stream_run.py", str(out), "plain,lazy", ranks=2, cwd=out, timeout=300)
     return out
 
 

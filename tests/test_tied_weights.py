@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import SCRIPTS, launch, run_gloo_ranks
+from conftest import SCRIPTS, launch_forked, run_gloo_ranks
 from lightning_clapping.pipeline.partition import TiedGroup, build_partition
 from lightning_clapping.pipeline.stage import StageRunner
 
@@ -156,9 +156,11 @@ def runs(tmp_path_factory):
     pipeline's checkpoint)."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("tied")
-    launch("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams,bert_resume", cwd=out, timeout=600)
-    launch("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas", cwd=out, timeout=600)
-    launch("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume,bert_resume", cwd=out, timeout=600)
+    launch_forked("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams,bert_resume", ranks=2, cwd=out,
+                  timeout=600)
+    launch_forked("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas", ranks=4, cwd=out, timeout=600)
+    launch_forked("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume,bert_resume", ranks=1, cwd=out,
+                  timeout=600)
     return SimpleNamespace(out=out)
 
 
