@@ -101,7 +101,9 @@ def launch_forked(script, *args, ranks: int | None, cwd: Path, timeout: float = 
     and seed variables of the test process dropped (:data:`FRESH_ENV_DROPS`), ``PYTHONPATH`` and
     ``OMP_NUM_THREADS=1`` as :func:`launch` sets them, one torch thread, default signal handlers, warnings and
     logging printed to its stderr (pytest records them in the test process), Lightning's rank-zero rank set to its
-    own. It ends with ``os._exit``: nothing of pytest runs in it, and nothing it changes reaches the test process.
+    own. It ends with ``os._exit``: nothing of pytest runs in it, and nothing it changes reaches the test process;
+    but neither does the interpreter's shutdown, so a crash there (an unjoined thread's C++ destructor) shows only in
+    the runs started with :func:`launch` (and the ranks that ``ranks=None`` starts).
 
     Returns a ``CompletedProcess``: ``stdout``/``stderr`` hold every forked process's output, rank by rank (and,
     with ``ranks=None``, the started ranks' output, which they write to the launching process's files);

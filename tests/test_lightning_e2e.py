@@ -19,7 +19,9 @@ STAGES = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    launch_forked("fit_run.py", "pipe", str(out), CONFIGS, ranks=STAGES, cwd=out, timeout=600)
+    # the launching process forked, its launcher starting the other stages as a user's run does: the module this
+    # process passed to fit is the one test_launching_process_module_holds_the_full_trained_weights reads
+    launch_forked("fit_run.py", "pipe", str(out), CONFIGS, ranks=None, cwd=out, timeout=600)
     launch_forked("fit_run.py", "single", str(out), CONFIGS, ranks=1, cwd=out, timeout=600)
     return out
 
