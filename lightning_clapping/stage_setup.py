@@ -245,20 +245,36 @@ def whole_buffers(module: pl.LightningModule, placement: Placement) -> Generator
 
 
 def release_stage(module: pl.LightningModule | None, runner: StageRunner | None, patches: Patches,
-                  full_state: dict[str, Any] | None) -> None:
+                  full_state: dict[str, Any] | None, optimizers: list[Any] = ()) -> None:
     """At teardown: the module's own forwards and attributes back, the whole model loaded into it on rank 0 after a
-    ``"full"`` run (``full_state``: the state dict and the other stages' non-persistent buffers), and its tensors
-    back on the CPU."""
+    ``"full"`` run (``full_state``: the state dict and the other stages' non-persistent buffers; ``optimizers`` then
+    hold the loaded parameters, so a checkpoint saved after fit finds them in the module), and its tensors back on
+    the CPU."""
     if runner is not None:
         runner.uninstall()
     patches.restore()
     if module is not None and full_state is not None:
+        before = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         keys = set(module.state_dict(keep_vars=True))
         module.load_state_dict({k: v for k, v in full_state.items() if k in keys}, assign=True)
         _set_buffers(module, {k: v for k, v in full_state.items() if k not in keys})
         if runner is not None:  # assign=True gave every name a parameter of its own: tie them again
             retie(module, runner.partition.aliases)
+        _rebind_optimizers(optimizers, before, dict(module.named_parameters(remove_duplicate=False)))
     if module is not None:
         for t in list(module.parameters()) + list(module.buffers()):
             if t.device.type not in ("meta", "cpu"):
                 t.data = t.data.cpu()
+
+
+def _rebind_optimizers(optimizers: list[Any], before: dict[int, str], after: dict[str, Any]) -> None:
+    """Point the optimizers' parameter lists (and their state) at the parameters the full load put in the module."""
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        swap = {id(p): after[before[id(p)]] for g in optimizer.param_groups for p in g["params"] if id(p) in before}
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        state = {swap.get(id(p), p): s for p, s in optimizer.state.items()}
+        optimizer.state.clear()
+        optimizer.state.update(state)
+

@@ -518,7 +518,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         if self._watchdog is not None:
             self._watchdog.stop()  # marks this rank done: ranks that finish later do not declare it hung
             self._watchdog = None
-        stage_setup.release_stage(self.lightning_module, self.runner, self._patches, self._full_state)
+        stage_setup.release_stage(self.lightning_module, self.runner, self._patches, self._full_state, self.optimizers)
         self._full_state = None
         if self.executor is not None:  # for a checkpoint saved after fit returns
             self._checkpoints.last_feedback = self.executor.feedback_state()
