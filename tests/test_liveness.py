@@ -12,6 +12,7 @@ import atexit
 import json
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -36,10 +37,30 @@ GLOO_TIMEOUT = timedelta(seconds=120)
 WORLD = 3
 
 
+_PORTS_TAKEN: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, for one group's store. The scenarios' 18 processes start at
+    once and open many connections; a port the kernel hands out (ephemeral) could be taken by one of them before
+    the group's rank 0 binds it, and that group's ranks would fail to start."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _PORTS_TAKEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_TAKEN.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _stage(rank: int) -> int:
