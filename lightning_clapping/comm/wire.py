@@ -136,10 +136,15 @@ def message_nbytes(parts: list[tuple[tuple[int, ...], int]]) -> int:
     return max(_align(head) + sum(_align(n) for _, n in parts), HEADER_BYTES)
 
 
+def raw_nbytes(t: torch.Tensor) -> int:
+    """A tensor's payload uncompressed: floating tensors as float32, the others as they are."""
+    return t.numel() * (4 if t.dtype.is_floating_point else t.element_size())
+
+
 def uncompressed_nbytes(tensors: Sequence[torch.Tensor], attachment: Part | None = None) -> int:
     """Size the message of ``tensors`` would have uncompressed, floating tensors as float32 (and ``attachment``,
     the step's results, as it is): what a compressed message is compared with."""
-    parts = [(tuple(t.shape), t.numel() * (4 if t.dtype.is_floating_point else t.element_size())) for t in tensors]
+    parts = [(tuple(t.shape), raw_nbytes(t)) for t in tensors]
     if attachment is not None:
         parts.append((attachment.shape, attachment.payload.numel()))
     return message_nbytes(parts)

@@ -227,13 +227,11 @@ class Crossings:
         tag = getattr(t, _ATTR, None)
         return tag if tag is not None and tag[0] == self._serial else None
 
-    def _tag(self, out: Any, event: int) -> None:
-        if isinstance(out, Tensor):
-            setattr(out, _ATTR, (self._serial, event, 0, self.region))
-            return
-        leaves, _ = tree_flatten(out)
+    def _tag(self, out: Any, event: int, tainted_only: bool = False) -> None:
+        """Name ``out``'s tensors as the outputs of ``event`` (``tainted_only``: only those already tainted)."""
+        leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
         for i, x in enumerate(leaves):
-            if isinstance(x, Tensor):
+            if isinstance(x, Tensor) and (not tainted_only or self.origin_of(x) is not None):
                 setattr(x, _ATTR, (self._serial, event, i, self.region))
 
     def _tainted(self, args: tuple, kwargs: dict, name: str) -> bool:
@@ -410,10 +408,7 @@ class Crossings:
         if self.inside:
             self._keep(event, out, name)
         else:
-            leaves, _ = tree_flatten(out)
-            for i, x in enumerate(leaves):
-                if isinstance(x, Tensor) and self.origin_of(x) is not None:
-                    setattr(x, _ATTR, (self._serial, event, i, self.region))
+            self._tag(out, event, tainted_only=True)
         return out
 
 

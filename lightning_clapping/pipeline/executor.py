@@ -372,8 +372,7 @@ class PipelineExecutor:
         crossing = self._crossing_fwd() if direction == "fwd" else self._crossing_bwd.pop(j, [])
         if crossing:
             extra = tensors[-crossing:] if direction == "fwd" else crossing
-            stats.crossing_raw_bytes += sum(t.numel() * 4 if t.dtype.is_floating_point else
-                                            t.numel() * t.element_size() for t in extra)
+            stats.crossing_raw_bytes += sum(wire.raw_nbytes(t) for t in extra)
         setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + chan.bytes_sent - before)
         setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
 
