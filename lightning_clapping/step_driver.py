@@ -276,13 +276,14 @@ class StepDriver:
 
 
 def _stage_params(optimizers: list[Any]) -> list[torch.nn.Parameter]:
-    """This stage's parameters that hold a gradient, in the same order on every replica."""
+    """This stage's trainable parameters, with a gradient or not (replicas may differ in which got one), in the same
+    order on every replica; the other stages' (on the meta device) are left out."""
     seen: set[int] = set()
     out = []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and id(p) not in seen:
+                if p.requires_grad and not p.is_meta and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
     return out
