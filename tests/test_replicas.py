@@ -197,7 +197,90 @@ def test_a_ddp_communication_hook_averages_the_replicas_buckets():
     items, codes = run_gloo_ranks(_hook_worker, expected=2)
     assert codes == [0, 0]
     for _, sent, first, second in items:
-        assert sent == [(0, False, [(2, 3)]), (1, True, [(4,)])]
+        # the last bucket ends with the presence flags, one per parameter
+        assert sent == [(0, False, [(2, 3)]), (1, True, [(4,), (2,)])]
         exact = 1.0 + (1 + 2 ** -12) / 2
         assert first != exact and first == pytest.approx(exact, abs=1e-3)  # went through fp16
         assert second == [0.5] * 4
+
+
+# ------------------------------------------------------------------------------------------------ unused parameters
+def _unused_worker(rank, port, out, hook_name):
+    """Rank 0 has gradients for a, b and c; rank 1 for a and c only; neither for d. Three steps (PowerSGD compresses
+    from its third)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    hook, state = None, None
+    if hook_name == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook as hook
+    elif hook_name == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        hook = powersgd.powerSGD_hook
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((3,), (4, 4), (5,), (2,)))
+    averager = GradientAverager(None, replicas=2, bucket_bytes=16, comm_hook=hook, comm_state=state)  # several buckets
+    for _ in range(3):
+        for p in (a, b, c, d):
+            p.grad = None
+        a.grad = torch.full_like(a, 1.0 + rank)
+        if rank == 0:
+            b.grad = torch.full_like(b, 4.0)
+        c.grad = torch.full_like(c, 2.0 * rank)
+        averager.start([a, b, c, d])
+        averager.finish()
+    out.put((rank, [None if p.grad is None else p.grad.reshape(-1).tolist() for p in (a, b, c, d)]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hook_name", [None, "fp16", "powersgd"])
+def test_replicas_that_differ_in_which_parameters_have_gradients_average_each_parameter_as_ddp(hook_name):
+    # DDP with find_unused_parameters: a missing gradient counts as zeros (the sum over the replicas divided by
+    # their number), and a parameter no replica has a gradient for keeps none
+    from functools import partial
+
+    items, codes = run_gloo_ranks(partial(_unused_worker, hook_name=hook_name), expected=2)
+    assert codes == [0, 0]
+    for _, (a, b, c, d) in items:
+        assert a == [1.5] * 3
+        assert b == pytest.approx([2.0] * 16, rel=1e-5)  # a rank-1 matrix: PowerSGD's rank-1 approximation holds it
+        assert c == [1.0] * 5
+        assert d is None
+    assert items[0][1] == items[1][1]
+
+
+@pytest.fixture(scope="module")
+def branch_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("branches")
+    launch_forked("branch_replicas_run.py", "dp", str(out), "plain,ddp_fp16", ranks=4, cwd=out, timeout=300)
+    launch_forked("branch_replicas_run.py", "single", str(out), ranks=1, cwd=out, timeout=120)
+    return lambda mode, hook, rank: torch.load(out / f"branch_{mode}_{hook}_rank{rank}.pt")
+
+
+@pytest.mark.parametrize("hook", ["plain", "ddp_fp16"])
+def test_replicas_whose_branches_differ_end_with_equal_weights(branch_runs, hook):
+    # ranks 0, 2: stage 1 of replicas 0 and 1; ranks 1, 3: stage 0. Replica 1 never took a branch, yet its
+    # branches trained as replica 0's did
+    for mine, theirs in ((0, 2), (1, 3)):
+        a, b = branch_runs("dp", hook, mine), branch_runs("dp", hook, theirs)
+        assert a["end"].keys() == b["end"].keys()
+        assert all(torch.equal(a["end"][k], b["end"][k]) for k in a["end"]), f"ranks {mine} and {theirs} differ"
+    for rank, branch in ((0, "branch1.weight"), (1, "branch0.weight")):
+        run = branch_runs("dp", hook, rank)
+        assert not torch.equal(run["start"][branch], run["end"][branch]), f"{branch} never trained"
+
+
+def test_replicas_whose_branches_differ_train_like_one_process_on_the_union_of_their_batches(branch_runs):
+    single = branch_runs("single", "plain", 0)["end"]
+    dp = {**branch_runs("dp", "plain", 0)["end"], **branch_runs("dp", "plain", 1)["end"]}
+    assert _max_diff(dp, single) <= 1e-5
+
+
+def test_all_gather_in_an_epoch_end_hook_gathers_over_the_replicas(branch_runs):
+    # the hook runs on the last stage of every replica (global ranks 0 and 2), so their gather is complete
+    assert branch_runs("dp", "plain", 0)["gathered"] == [0.0, 2.0]
+    assert branch_runs("dp", "plain", 2)["gathered"] == [0.0, 2.0]

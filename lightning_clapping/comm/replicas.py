@@ -34,9 +34,10 @@ class GradientAverager:
     each bucket (``buffer()``, ``gradients()``, ``parameters()``, ``index()``, ``is_last()``) and returns a future
     of the averaged buffer. The last bucket's ``gradients()`` end with the presence flags, a 1-D tensor with no
     entry in ``parameters()``; the compressing hooks keep them apart from zero well enough (fp16 and bf16 casts,
-    PowerSGD, which sends 1-D tensors uncompressed). ``comm_state`` is the hook's state; ``None`` gives it ``group`` (what the fp16/bf16
-    hooks take), and a state whose ``process_group`` is ``None`` (PowerSGD's default) gets ``group`` there, so the
-    hook reduces over this stage's replicas and not over every rank.
+    PowerSGD, which sends 1-D tensors uncompressed). Under gloo the buckets go through the hook one after the other.
+    ``comm_state`` is the hook's state; ``None`` gives it ``group`` (what the fp16/bf16 hooks take), and a state
+    whose ``process_group`` is ``None`` (PowerSGD's default) gets ``group`` there, so the hook reduces over this
+    stage's replicas and not over every rank.
     """
 
     def __init__(self, group: Any, replicas: int, bucket_bytes: int = BUCKET_BYTES, comm_hook: Any = None,
