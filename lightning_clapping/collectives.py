@@ -55,12 +55,14 @@ class ReplicaCollectives:
         return _compat.sync_if_available(tensor, group if group is not None else self.placement.dp_group, reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gathers over the replicas (the ranks of this rank's stage), as DDP gathers over its ranks; with one
-        replica the tensor is returned as it is (a single device adds no dimension either)."""
-        if self.num_replicas == 1 and group is None:
-            return tensor
-        return _compat.all_gather_if_available(tensor, group=group if group is not None else self.placement.dp_group,
-                                               sync_grads=sync_grads)
+        """Gathers over the replicas (the ranks of this rank's stage), as DDP gathers over its ranks, also for
+        ``group=WORLD`` (the strategy's world is its replicas); with one replica the tensor is returned as it is (a
+        single device adds no dimension either)."""
+        if group is None or group is dist.group.WORLD:  # LightningModule.all_gather's default: the whole world
+            if self.num_replicas == 1:
+                return tensor
+            group = self.placement.dp_group
+        return _compat.all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """The last stage (rank 0) holds the authoritative metrics, so its decision is everyone's."""
