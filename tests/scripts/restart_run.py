@@ -20,6 +20,7 @@ import time
 STARTED = time.time()  # before torch and Lightning are imported
 
 import argparse
+import atexit
 import gc
 import json
 import os
@@ -70,7 +71,7 @@ class Events(L.Callback):
 
 def main(args: argparse.Namespace) -> None:
     out = args.out
-    _log(out, start=int(os.environ.get("RANK", "0")), started=args.started)
+    _log(out, start=int(os.environ.get("RANK", "0")), started=args.started, package=lightning_clapping.__file__)
     if _round() > 0 and int(os.environ.get("RANK", "0")) == args.late_rank:
         time.sleep(args.late_s)
     torch.manual_seed(0)
@@ -86,7 +87,13 @@ def main(args: argparse.Namespace) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_epochs=args.epochs, logger=False,
                         callbacks=[checkpoint, Events(out, args.kill_at, args.kill_rank)], enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0)
-    trainer.fit(model, loader, ckpt_path="last")
+    rank = int(os.environ.get("RANK", "0"))
+    atexit.register(lambda: _log(out, exiting=rank))  # runs after the threads are joined, before the final collection
+    try:
+        trainer.fit(model, loader, ckpt_path="last")
+    except BaseException:
+        _log(out, failed=rank)
+        raise
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "final.pt")
         _log(out, done=trainer.global_step)
