@@ -323,15 +323,14 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         if self._process_group_backend is None:
             self._process_group_backend = _compat.default_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        _compat.init_dist_connection(self.cluster_environment, self._process_group_backend,
-                                     timeout=self.options.timeout)
+        launcher.connect(self.cluster_environment, self._process_group_backend, self.options.timeout)
         topology, groups = self.topology, (None, None)
         if self.num_ranks > 1:
             mesh = build_mesh(topology, self.root_device.type)
             groups = mesh.get_group("pp"), mesh.get_group("dp")
         self._placement = Placement(topology, self.global_rank, self.root_device, *groups)
         if self.options.liveness is not None and self.num_ranks > 1:
-            self._watchdog = launcher.start_watchdog(self._placement, self.options.liveness, self.cluster_environment)
+            self._watchdog = launcher.start_watchdog(self._placement, self.options.liveness)
 
     # ------------------------------------------------------------------ building big models
     @contextmanager
