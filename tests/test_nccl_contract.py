@@ -145,3 +145,108 @@ def test_every_distributed_call_of_the_end_to_end_paths_keeps_nccls_contract(rec
     assert len(records) == 4
     problems = nccl_contract.judge(records)
     assert not problems, "\n".join(problems[:20])
+
+
+# ------------------------------------------------------------------------------- the checker's own promises
+def test_host_tensors_are_those_made_without_a_device_and_what_is_computed_from_them_alone():
+    from nccl_contract import HostTensors, is_host
+
+    device = torch.device("cpu")  # what the stage's device is on a CPU run
+    with HostTensors():
+        made = torch.zeros(3)
+        placed = torch.zeros(3, device=device)
+        derived, mixed, like = made * 2, made + placed, torch.zeros_like(made)
+        moved, copied, named = made.to(device), placed.cpu(), torch.ones(2, device="cpu")
+    assert is_host(made) and is_host(derived) and is_host(like) and is_host(copied) and is_host(named)
+    assert not (is_host(placed) or is_host(mixed) or is_host(moved))
+    assert is_host(made) and not is_host(placed)  # moving or copying left the originals where they were
+
+
+def _records(*ranks):
+    """Records of ranks 0..n-1 as Contract.dump writes them; each rank is a list of launches
+    ``(kind, op, ops, sig)`` on group "g" of all ranks (lone ones on their pair's communicator)."""
+    n = len(ranks)
+    out = []
+    for rank, launches in enumerate(ranks):
+        rows = []
+        for i, (kind, op, ops, sig) in enumerate(launches):
+            comm, comm_ranks = "g", list(range(n))
+            if kind == "lone":
+                pair = sorted({rank, ops[0][1]})
+                comm, comm_ranks = f"g/pair{pair[0]}-{pair[1]}", pair
+            rows.append({"i": i, "kind": kind, "op": op, "group": "g", "ranks": list(range(n)), "comm": comm,
+                         "comm_ranks": comm_ranks, "sig": sig, "ops": ops, "where": f"rank{rank}#{i}"})
+        out.append({"rank": rank, "violations": [], "launches": rows})
+    return out
+
+
+def _msg(send, peer, numel=8, dtype="torch.uint8"):
+    return [send, peer, numel, dtype, 0]
+
+
+GATHER = ("coll", "all_gather", [], [[[4], "torch.float32"]])
+OPEN = ("coll", "all_reduce", [], [[[1], "torch.float32"], "op=RedOpType.SUM"])
+
+
+def test_batched_exchanges_in_the_same_order_on_every_rank_pass():
+    batch = lambda peer: ("batch", "batch_isend_irecv", [_msg(False, peer), _msg(True, peer)], [])  # noqa: E731
+    assert nccl_contract.judge(_records([OPEN, batch(1), GATHER], [OPEN, batch(0), GATHER])) == []
+
+
+def test_collectives_in_another_order_on_one_rank_are_reported():
+    problems = nccl_contract.judge(_records([OPEN, GATHER], [GATHER, OPEN]))
+    assert any("collective #0" in p and "rank0#0" in p and "rank1#0" in p for p in problems), problems
+
+
+def test_messages_matched_by_order_must_agree_in_size_and_in_how_they_were_issued():
+    send = ("batch", "batch_isend_irecv", [_msg(True, 1, numel=8)], [])
+    smaller = ("batch", "batch_isend_irecv", [_msg(False, 0, numel=4)], [])
+    lone = ("lone", "irecv", [_msg(False, 0, numel=8)], [])
+    for receive in (smaller, lone):
+        problems = nccl_contract.judge(_records([OPEN, send], [OPEN, receive]))
+        assert any("message #0 from rank 0 to rank 1" in p for p in problems), problems
+
+
+def test_a_first_batched_call_that_not_every_rank_of_the_group_joins_is_reported():
+    first, then = [_msg(True, 1)], ("coll", "barrier", [], [])
+    ranks = ([("batch", "batch_isend_irecv", first, []), then], [("batch", "batch_isend_irecv", [_msg(False, 0)], []),
+                                                                 then], [then])
+    problems = nccl_contract.judge(_records(*ranks))
+    assert any("first operation is a batch_isend_irecv" in p for p in problems), problems
+    assert nccl_contract.judge(_records(*([OPEN, *r] for r in ranks))) == []  # after a collective: allowed
+
+
+def test_an_order_that_only_gloo_runs_is_reported_as_a_deadlock_of_nccls_streams():
+    # a point-to-point batch before a collective on one rank, after it on the other: one stream each, both stuck
+    batch = lambda peer: ("batch", "batch_isend_irecv", [_msg(False, peer), _msg(True, peer)], [])  # noqa: E731
+    problems = nccl_contract.simulate_streams(_records([OPEN, batch(1), GATHER], [OPEN, GATHER, batch(0)]))
+    assert problems and "deadlock" in problems[0]
+
+
+def _lone_receive_first(rank: int, port: int, out) -> None:
+    """Both ranks post a lone receive, then the lone send the other waits for: fine on gloo."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    contract = nccl_contract.Contract.install()
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        got = torch.zeros(4, device=torch.device("cpu"))
+        works = [dist.irecv(got, src=1 - rank), dist.isend(torch.ones(4, device=torch.device("cpu")), dst=1 - rank)]
+        for w in works:
+            w.wait()
+        dist.all_reduce(torch.tensor([1.0]))  # made without a device: a CPU tensor on a GPU run
+        out.put({"rank": rank, "violations": contract.violations, "launches": contract.launches})
+    finally:
+        contract.uninstall()
+        dist.destroy_process_group()
+
+
+def test_a_real_run_that_gloo_completes_is_judged_as_nccl_would_run_it():
+    from conftest import run_gloo_ranks
+
+    records, codes = run_gloo_ranks(_lone_receive_first, expected=2)
+    assert codes == [0, 0]
+    problems = nccl_contract.judge(sorted(records, key=lambda r: r["rank"]))
+    assert any("host tensor (1,) torch.float32" in p and "all_reduce" in p for p in problems), problems
+    assert any("deadlock" in p and "irecv" in p for p in problems), problems
