@@ -141,8 +141,15 @@ def records(tmp_path_factory):
     return nccl_contract.load(out)
 
 
+#: where the paths of the scenarios call torch.distributed: the run must have gone through each
+PATHS = ("comm/p2p.py", "autotune/probe.py", "comm/step_results.py", "comm/replicas.py", "checkpoint/state.py",
+         "precision.py", "step_driver.py", "pipeline/executor.py", "shuffle.py", "collectives.py")
+
+
 def test_every_distributed_call_of_the_end_to_end_paths_keeps_nccls_contract(records):
     assert len(records) == 4
+    called = {launch["where"].split(":")[0] for r in records for launch in r["launches"]}
+    assert set(PATHS) <= called, f"the scenarios never reached {set(PATHS) - called}"
     problems = nccl_contract.judge(records)
     assert not problems, "\n".join(problems[:20])
 
