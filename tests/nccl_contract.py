@@ -381,18 +381,23 @@ def check_collective_order(records: list[dict]) -> list[str]:
 
 
 def check_first_operations(records: list[dict]) -> list[str]:
-    """(b): a group whose first operation is a batch_isend_irecv needs every one of its ranks in that call."""
+    """(b): a group whose first operation is a batch_isend_irecv needs every one of its ranks in that one call: every
+    rank's first operation on the group is a batch, and each message of it pairs with one of the peer's first batch
+    (three stages whose first batches are 0-1 and 1-2 are two calls, not one)."""
     problems = []
     for (group, ranks), per_rank in _by_group(records, ("coll", "batch")).items():
         firsts = {r: per_rank[r][0] for r in ranks if per_rank.get(r)}
-        if any(f["kind"] == "batch" for f in firsts.values()) and (
-                len(firsts) < len(ranks) or any(f["kind"] != "batch" for f in firsts.values())):
-            batch = next(f for f in firsts.values() if f["kind"] == "batch")
+        if not any(f["kind"] == "batch" for f in firsts.values()):
+            continue
+        joint = len(firsts) == len(ranks) and all(f["kind"] == "batch" for f in firsts.values()) and all(
+            any(o[0] != send and o[1] == r for o in firsts[peer]["ops"])
+            for r, f in firsts.items() for send, peer, *_ in f["ops"])
+        if not joint:
+            shown = {r: (f["op"], f["where"]) for r, f in firsts.items()}
             problems.append(
-                f"group {group} {list(ranks)}: its first operation is a batch_isend_irecv ({batch['where']}) that "
-                f"not every rank of the group takes part in (their first operations: "
-                f"{ {r: (f['op'], f['where']) for r, f in firsts.items()} }); NCCL builds the group's communicator "
-                "in its first call, with every rank")
+                f"group {group} {list(ranks)}: its first operation is a batch_isend_irecv that not every rank of the "
+                f"group takes part in (their first operations: {shown}); NCCL builds the group's communicator in its "
+                "first call, with every rank: open the group with a collective first")
     return problems
 
 

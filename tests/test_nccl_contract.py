@@ -257,3 +257,53 @@ def test_a_real_run_that_gloo_completes_is_judged_as_nccl_would_run_it():
     problems = nccl_contract.judge(sorted(records, key=lambda r: r["rank"]))
     assert any("host tensor (1,) torch.float32" in p and "all_reduce" in p for p in problems), problems
     assert any("deadlock" in p and "irecv" in p for p in problems), problems
+
+
+class ThreeLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _three_stage_step(rank: int, port: int, out) -> None:
+    """One training step of a 3-stage executor over a pipeline group of its own (as a mesh gives it), recorded."""
+    import torch.distributed as dist
+
+    from lightning_clapping.codecs.feedback import MessageRule
+    from lightning_clapping.comm.placement import Placement, Topology
+    from lightning_clapping.pipeline.executor import PipelineExecutor
+    from lightning_clapping.pipeline.partition import build_partition
+    from lightning_clapping.pipeline.stage import StageRunner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=3)
+    contract = nccl_contract.Contract.install()
+    try:
+        group = dist.new_group([0, 1, 2])
+        torch.manual_seed(0)
+        net = ThreeLayers()
+        placement = Placement(Topology(3, 1, 3), rank, torch.device("cpu"), pp_group=group)
+        runner = StageRunner(net, build_partition(net, 3, ["b", "c"]), stage=placement.stage)
+        runner.release_foreign_state()
+        runner.install()
+        executor = PipelineExecutor(runner, placement, lambda b, d, t: MessageRule("uncompressed", "identity", b, d),
+                                    prepost=False)
+        micro = [torch.randn(2, 6, device=torch.device("cpu")) for _ in range(2)]
+        executor.train_step(micro, lambda x, j: net(x).pow(2).mean(), [0.5, 0.5])
+        out.put({"rank": rank, "violations": contract.violations, "launches": contract.launches})
+    finally:
+        contract.uninstall()
+        dist.destroy_process_group()
+
+
+def test_a_pipeline_of_three_stages_opens_its_group_with_every_stage_before_its_first_messages():
+    from conftest import run_gloo_ranks
+
+    records, codes = run_gloo_ranks(_three_stage_step, expected=3, world=3)
+    assert codes == [0, 0, 0]
+    records = sorted(records, key=lambda r: r["rank"])
+    assert all(any(x["kind"] == "batch" for x in r["launches"]) for r in records)
+    assert nccl_contract.judge(records) == []
