@@ -35,7 +35,14 @@ class ReplicaCollectives:
         return {"num_replicas": self.num_replicas, "rank": self.replica}
 
     def barrier(self, name: str | None = None) -> None:
-        if _compat.distributed_is_initialized():
+        """Every rank waits for every other. Under NCCL the barrier runs on this rank's device (as DDP's does):
+        NCCL would otherwise guess a device from the rank, which need not be the one this rank drives."""
+        if not _compat.distributed_is_initialized():
+            return
+        if self.root_device.type == "cuda" and "nccl" in str(dist.get_backend()).lower():
+            index = self.root_device.index
+            dist.barrier(device_ids=[torch.cuda.current_device() if index is None else index])
+        else:
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:

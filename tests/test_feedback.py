@@ -343,6 +343,59 @@ def test_aqsgd_compresses_a_repeat_against_the_row_its_earlier_occurrence_left()
         assert torch.equal(rule.store[0][4], y[1].half()) and torch.equal(rule.store[0][5], y[3].half())
 
 
+def test_aqsgd_store_is_bounded_evicting_the_least_recent_rows_alike_on_both_ends():
+    sender, receiver = _pair("aqsgd", "q4", store_max_samples=20)
+    assert sender.store_device == torch.device("cpu")  # off the accelerator unless asked
+    with pytest.warns(UserWarning, match="per-sample store is full"):
+        history = _drive(sender, receiver, steps=16, pool=30)  # 12 draws a step from 30 samples
+    seen, revisits = set(), 0
+    for m in history:
+        _assert_same_state(m.sent, m.received, (m.ctx.step, m.slot))  # _run checked every predicted form too
+        assert sum(".sample" in k for k in m.sent) <= 20
+        ids = set(m.ctx.sample_ids[m.slot].tolist())
+        earlier = set().union(*(set(i.tolist()) for i in m.ctx.sample_ids[:m.slot]))
+        revisits += m.parts[0].codec == FULL and ids <= seen and not ids <= earlier  # an evicted sample came back
+        seen |= ids
+    assert revisits
+
+
+def test_aqsgd_store_keeps_the_rows_the_receiver_counted_on_when_the_step_began():
+    sender, receiver = _pair("aqsgd", "q4", store_max_samples=8)
+    x = [torch.randn(4, 8) for _ in range(4)]
+    steps = [(StepContext(step=0, fresh=True, sample_ids=[torch.arange(4), torch.arange(4, 8)]), x[:2]),
+             # slot 0 brings 4 new samples: 4 rows must go, but not those of slot 1, predicted "visited" at the start
+             (StepContext(step=1, fresh=True, sample_ids=[torch.arange(8, 12), torch.arange(4)]), x[2:])]
+    with pytest.warns(UserWarning, match="per-sample store is full"):
+        history = _run(sender, receiver, steps)
+    assert [m.parts[0].codec for m in history] == [FULL, FULL, FULL, CODEC]
+    assert list(sender.store[0]) == list(receiver.store[0]) == [8, 9, 10, 11, 0, 1, 2, 3]  # 4..7 were oldest
+
+
+def test_aqsgd_store_smaller_than_one_step_says_so():
+    sender, _ = _pair("aqsgd", "q4", store_max_samples=6)
+    ctx = StepContext(step=0, fresh=True, sample_ids=[torch.arange(4), torch.arange(4, 8)])
+    sender.encode(0, [torch.randn(4, 8).requires_grad_(True)], ctx)
+    with pytest.raises(ValueError, match=r"step 0 holds 8 distinct samples.*store_max_samples=6"):
+        sender.encode(1, [torch.randn(4, 8).requires_grad_(True)], ctx)
+
+
+def test_aqsgd_store_resumed_from_sorted_names_evicts_as_the_uninterrupted_one():
+    inputs = _inputs(steps=12, pool=30, seed=2)
+    kw = {"store_max_samples": 20}
+    with pytest.warns(UserWarning):
+        whole = _run(*_pair("aqsgd", "q4", **kw), inputs)
+        first = _pair("aqsgd", "q4", **kw)
+        _run(*first, inputs[:6])
+    resumed = _pair("aqsgd", "q4", **kw)
+    for rule, old in zip(resumed, first):
+        rule.load_state(dict(sorted(old.state().items())), torch.device("cpu"))  # a checkpoint may sort them
+    with pytest.warns(UserWarning):
+        rest = _run(*resumed, inputs[6:])
+    assert [m.parts[0].codec for m in rest] == [m.parts[0].codec for m in whole[18:]]
+    for a, b in zip(rest, whole[18:]):
+        _assert_same_state(a.received, b.received)
+
+
 def test_aqsgd_without_sample_ids_says_how_to_get_them():
     sender, _ = _pair("aqsgd", "q4")
     with pytest.raises(ValueError, match=r"LazySamplingDataModule\(dm, p=1.0\)"):

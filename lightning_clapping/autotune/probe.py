@@ -33,6 +33,14 @@ numbers to the peer as float64 at the end, so **both ends return the same measur
 the initiator's settings count (the peer learns every size from the control messages, so the two ends cannot
 disagree about a receive's size).
 
+Every operation of a probe is issued with ``batch_isend_irecv``, a receive together with the send that lets the other
+side answer (the receive listed first, so gloo posts it first). Under NCCL this is what keeps a probe from
+deadlocking: NCCL runs a communicator's operations one after another, so a lone receive issued before a lone send
+would hold that send back until the peer answers a message it never got; a batch launches both at once. The
+messages live on the probe's ``device``, by default the one the group's backend carries (the current CUDA device
+under NCCL, else the CPU), and every wait on a CUDA device waits for the stream too, so that the clock stops when the
+bytes have arrived, not when the operation was queued.
+
 A rank belongs to two boundaries, so :func:`probe_boundaries` probes the even boundaries first, then the odd ones:
 within one phase every rank talks to at most one neighbour, and the links of different pairs are measured at the
 same time, as the pipeline uses them. Probes use tags from :data:`PROBE_TAG` up, far above the pipeline's
@@ -142,6 +150,7 @@ def probe_link(
     min_transfer_s: float = _MIN_SERIAL_S,
     both_directions: bool = True,
     timeout: timedelta | None = None,
+    device: torch.device | str | None = None,
 ) -> LinkMeasure:
     """Measure the link to the global rank ``peer``; call it on both ranks at the same time, one with
     ``initiator=True``. Returns the same :class:`LinkMeasure` on both ranks.
@@ -153,75 +162,99 @@ def probe_link(
     round trips; per direction at least ``min_repeats`` bulk transfers, then more until one is no longer
     :data:`STEADY` (5 %) faster than the best before it (TCP's window has opened), at most ``max_repeats`` and,
     beyond ``min_repeats``, not after ``max_seconds``. ``timeout`` bounds every single wait (default: the group's).
+    ``device``: where the probe messages live (both ends pass the same kind; default: :func:`probe_device`).
     """
+    link = _ProbeLink(peer, group, timeout, probe_device(group) if device is None else torch.device(device))
     if initiator:
         nbytes = min(max(int(nbytes), MIN_PROBE_BYTES), MAX_PROBE_BYTES)
         if not 1 <= pings <= _MAX_PINGS or not 1 <= min_repeats <= max_repeats:
             raise ValueError(f"pings in 1..{_MAX_PINGS} and 1 <= min_repeats <= max_repeats, got {pings}, "
                              f"{min_repeats}, {max_repeats}")
-        return _probe_initiator(peer, group, nbytes, pings, min_repeats, max_repeats, max_seconds, min_transfer_s,
-                                both_directions, timeout)
-    return _probe_peer(peer, group, timeout)
+        return _probe_initiator(link, nbytes, pings, min_repeats, max_repeats, max_seconds, min_transfer_s,
+                                both_directions)
+    return _probe_peer(link)
 
 
-def _control(command: int, number: int = 0, values: Sequence[float] = ()) -> torch.Tensor:
+def probe_device(group: Group = None) -> torch.device:
+    """Where probe messages live by default: the current CUDA device when ``group``'s backend is NCCL (which carries
+    CUDA tensors only), else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _control(command: int, device: torch.device, number: int = 0, values: Sequence[float] = ()) -> torch.Tensor:
     """A 64-byte control message: the command and a number as int64, then up to six float64 values."""
-    msg = torch.zeros(SMALL_BYTES, dtype=torch.uint8)
-    msg.view(torch.int64)[:2] = torch.tensor([command, number], dtype=torch.int64)
+    words = torch.zeros(SMALL_BYTES // 8, dtype=torch.float64)
+    words.view(torch.int64)[:2] = torch.tensor([command, number], dtype=torch.int64)
     if values:
-        msg.view(torch.float64)[2 : 2 + len(values)] = torch.tensor(list(values), dtype=torch.float64)
-    return msg
+        words[2 : 2 + len(values)] = torch.tensor(list(values), dtype=torch.float64)
+    return words.view(torch.uint8).to(device)
 
 
 class _ProbeLink:
-    """Point-to-point messages of one probe, under the probe's tags."""
+    """Point-to-point messages of one probe, under the probe's tags, on its device."""
 
-    def __init__(self, peer: int, group: Group, timeout: timedelta | None) -> None:
-        self.peer, self.group, self.timeout = peer, group, timeout
+    def __init__(self, peer: int, group: Group, timeout: timedelta | None, device: torch.device) -> None:
+        self.peer, self.group, self.timeout, self.device = peer, group, timeout, device
 
-    def send(self, msg: torch.Tensor, kind: int) -> Any:
-        return dist.isend(msg, dst=self.peer, group=self.group, tag=PROBE_TAG + kind)
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
 
-    def recv(self, buf: torch.Tensor, kind: int) -> Any:
-        return dist.irecv(buf, src=self.peer, group=self.group, tag=PROBE_TAG + kind)
+    def control(self, command: int, number: int = 0, values: Sequence[float] = ()) -> torch.Tensor:
+        return _control(command, self.device, number, values)
 
-    def wait(self, work: Any) -> None:
-        if self.timeout is None:
-            work.wait()
-        else:
-            work.wait(self.timeout)
+    def post(self, recvs: Sequence[tuple[torch.Tensor, int]] = (),
+             sends: Sequence[tuple[torch.Tensor, int]] = ()) -> list[Any]:
+        """Issue ``recvs`` and ``sends`` (``(tensor, kind)``) as one batch, the receives first; returns its works."""
+        ops = [dist.P2POp(dist.irecv, buf, self.peer, self.group, PROBE_TAG + kind) for buf, kind in recvs]
+        ops += [dist.P2POp(dist.isend, msg, self.peer, self.group, PROBE_TAG + kind) for msg, kind in sends]
+        return dist.batch_isend_irecv(ops)
+
+    def wait(self, works: list[Any]) -> None:
+        """Until every operation of a batch has completed (on a CUDA device: its bytes are there)."""
+        for work in works:
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def words(self, msg: torch.Tensor) -> tuple[int, int, list[float]]:
+        """A control message's command, number and values."""
+        host = msg.cpu()
+        command, number = host.view(torch.int64)[:2].tolist()
+        return command, number, host.view(torch.float64)[2:].tolist()
 
 
-def _probe_initiator(peer: int, group: Group, nbytes: int, pings: int, min_repeats: int, max_repeats: int,
-                     max_seconds: float, min_transfer_s: float, both: bool, timeout: timedelta | None) -> LinkMeasure:
+def _probe_initiator(link: _ProbeLink, nbytes: int, pings: int, min_repeats: int, max_repeats: int,
+                     max_seconds: float, min_transfer_s: float, both: bool) -> LinkMeasure:
     start = time.perf_counter()
-    link = _ProbeLink(peer, group, timeout)
-    reply = torch.empty(SMALL_BYTES, dtype=torch.uint8)
-    bulk = torch.zeros(MAX_PROBE_BYTES, dtype=torch.uint8)
+    reply = link.buffer(SMALL_BYTES)
+    bulk = link.buffer(MAX_PROBE_BYTES)
 
     def exchange(msg: torch.Tensor, kind: int, answer: torch.Tensor, answer_kind: int) -> float:
         """Send ``msg`` under ``kind`` and time until ``answer`` arrived (its receive is posted first)."""
-        work = link.recv(answer, answer_kind)
         t0 = time.perf_counter()
-        sent = link.send(msg, kind)
-        link.wait(work)
-        seconds = time.perf_counter() - t0
-        link.wait(sent)
-        return seconds
+        link.wait(link.post([(answer, answer_kind)], [(msg, kind)]))
+        return time.perf_counter() - t0
 
-    exchange(_control(_HELLO, _MAGIC), _CTRL, reply, _REPLY)  # waits for the peer to arrive; warms the connection
-    rtts = [exchange(_control(_PING), _CTRL, reply, _REPLY) for _ in range(pings)]
+    # waits for the peer to arrive; warms the connection
+    exchange(link.control(_HELLO, _MAGIC), _CTRL, reply, _REPLY)
+    ping = link.control(_PING)
+    rtts = [exchange(ping, _CTRL, reply, _REPLY) for _ in range(pings)]
     rtt = statistics.median(rtts)
     floor = min(rtts)  # taken off the bulk times: never more than their round trip, even when pings were delayed
 
     def to_peer(size: int) -> float:
-        ready = link.recv(reply, _REPLY)
-        link.wait(link.send(_control(_TO_PEER, size), _CTRL))
-        link.wait(ready)  # the peer has posted the bulk receive: the bulk message flows at once
+        # the peer answers once it has posted the bulk receive: the bulk message then flows at once
+        link.wait(link.post([(reply, _REPLY)], [(link.control(_TO_PEER, size), _CTRL)]))
         return exchange(bulk[:size], _BULK, reply, _REPLY)  # the peer answers once all of it has arrived
 
     def from_peer(size: int) -> float:
-        return exchange(_control(_FROM_PEER, size), _CTRL, bulk[:size], _BULK)  # receive posted before the ask
+        ask = link.control(_FROM_PEER, size)
+        return exchange(ask, _CTRL, bulk[:size], _BULK)  # receive posted before the ask
 
     def best_time(transfer: Callable[[int], float]) -> tuple[float, int]:
         size, t0, times = nbytes, time.perf_counter(), []
@@ -247,23 +280,22 @@ def _probe_initiator(peer: int, group: Group, nbytes: int, pings: int, min_repea
                           reverse_bandwidth_bytes_per_s=rate(backward, backward_bytes) if both else None,
                           rtt_s=rtt, probe_bytes=max(forward_bytes, backward_bytes),
                           probe_s=time.perf_counter() - start)
-    link.wait(link.send(_control(_DONE, _VERSION, measure.to_wire()), _CTRL))
+    link.wait(link.post(sends=[(link.control(_DONE, _VERSION, measure.to_wire()), _CTRL)]))
     return measure
 
 
-def _probe_peer(peer: int, group: Group, timeout: timedelta | None) -> LinkMeasure:
-    """Follow the initiator's control messages; every receive is posted before the message that lets the
-    initiator send what it receives."""
-    link = _ProbeLink(peer, group, timeout)
-    ctrl = torch.empty(SMALL_BYTES, dtype=torch.uint8)
-    answer = torch.zeros(SMALL_BYTES, dtype=torch.uint8)
-    bulk = torch.empty(0, dtype=torch.uint8)
-    work = link.recv(ctrl, _CTRL)
+def _probe_peer(link: _ProbeLink) -> LinkMeasure:
+    """Follow the initiator's control messages; every receive is posted before (in the batch of) the message that
+    lets the initiator send what it receives."""
+    peer = link.peer
+    ctrl = link.buffer(SMALL_BYTES)
+    answer = link.buffer(SMALL_BYTES)
+    bulk = link.buffer(0)
+    works = link.post([(ctrl, _CTRL)])
     first = True
     while True:
-        link.wait(work)
-        command, number = ctrl.view(torch.int64)[:2].tolist()
-        values = ctrl.view(torch.float64)[2:].tolist()
+        link.wait(works)
+        command, number, values = link.words(ctrl)
         if first and (command, number) != (_HELLO, _MAGIC):
             raise ProbeError(f"rank {peer} did not start a link probe (got command {command}, {number:#x})")
         first = False
@@ -271,23 +303,18 @@ def _probe_peer(peer: int, group: Group, timeout: timedelta | None) -> LinkMeasu
             raise ProbeError(f"rank {peer} asked for a bulk transfer of {number} bytes, outside "
                              f"[{MIN_PROBE_BYTES}, {MAX_PROBE_BYTES}]")
         if command in (_TO_PEER, _FROM_PEER) and bulk.numel() != number:
-            bulk = torch.zeros(number, dtype=torch.uint8)
+            bulk = link.buffer(number)
         if command == _DONE:
             if number != _VERSION:
                 raise ProbeError(f"rank {peer} runs link probe version {number}, this rank {_VERSION}")
             return LinkMeasure.from_wire(values)
         if command in (_HELLO, _PING):
-            work = link.recv(ctrl, _CTRL)
-            link.wait(link.send(answer, _REPLY))
+            works = link.post([(ctrl, _CTRL)], [(answer, _REPLY)])
         elif command == _TO_PEER:
-            arrived = link.recv(bulk, _BULK)
-            link.wait(link.send(answer, _REPLY))  # ready
-            link.wait(arrived)
-            work = link.recv(ctrl, _CTRL)
-            link.wait(link.send(answer, _REPLY))  # all of it arrived
+            link.wait(link.post([(bulk, _BULK)], [(answer, _REPLY)]))  # ready; then all of it has arrived
+            works = link.post([(ctrl, _CTRL)], [(answer, _REPLY)])  # says so
         elif command == _FROM_PEER:
-            work = link.recv(ctrl, _CTRL)
-            link.wait(link.send(bulk, _BULK))
+            works = link.post([(ctrl, _CTRL)], [(bulk, _BULK)])
         else:
             raise ProbeError(f"rank {peer} sent an unknown probe command {command}")
 
@@ -322,7 +349,8 @@ def probe_boundaries(
 
     ``message_bytes_per_boundary`` is the bulk size per boundary (one int for all, or indexed by boundary): e.g. the
     boundary's uncompressed message of one micro-batch; only the lower stage's value is used, clamped to
-    [:data:`MIN_PROBE_BYTES`, :data:`MAX_PROBE_BYTES`]. ``probe_kwargs`` go to :func:`probe_link`. Returns
+    [:data:`MIN_PROBE_BYTES`, :data:`MAX_PROBE_BYTES`]. ``probe_kwargs`` go to :func:`probe_link` (``device=``: the
+    stage's device, where the probe messages live). Returns
     ``{boundary: LinkMeasure}`` for the (at most two) boundaries of this stage, the same on both ends of each.
     """
     out = {}
@@ -335,17 +363,22 @@ def probe_boundaries(
     return out
 
 
-def codec_times(specs: Sequence[TensorSpec], settings: Sequence[str],
-                repeats: int = 3) -> dict[str, tuple[float, float]]:
+def codec_times(specs: Sequence[TensorSpec], settings: Sequence[str], repeats: int = 3,
+                device: torch.device | str | None = None) -> dict[str, tuple[float, float]]:
     """``{setting: (sender seconds, receiver seconds)}`` of one message of ``specs`` under each codec setting,
-    timed here on random values (the fastest of ``repeats``): the sender encodes and decodes (the error-feedback
-    variants update their buffer with what the receiver will decode), the receiver decodes. "uncompressed" costs 0."""
+    timed here on random values (the fastest of ``repeats``) on ``device`` (the stage's: a codec's cost on a GPU is
+    not its cost on the CPU; default: the CPU): the sender encodes and decodes (the error-feedback variants update
+    their buffer with what the receiver will decode), the receiver decodes. "uncompressed" costs 0. On a CUDA
+    device every timing waits for the device to finish."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     out: dict[str, tuple[float, float]] = {}
     tensors = []
     for spec in specs:
         shape, dtype, compressible = spec_of(spec)
         if compressible:
-            tensors.append(torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype))
+            values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+            tensors.append(values.to(device=device, dtype=dtype))
     for setting in settings:
         if setting == UNCOMPRESSED or not tensors:
             out[setting] = (0.0, 0.0)
@@ -353,13 +386,15 @@ def codec_times(specs: Sequence[TensorSpec], settings: Sequence[str],
         codec = get_codec(setting)
         best_enc = best_dec = math.inf
         for _ in range(max(1, repeats)):
+            sync()
             t0 = time.perf_counter()
             payloads = [codec.encode(x) for x in tensors]
+            sync()
             t1 = time.perf_counter()
             for x, payload in zip(tensors, payloads):
                 codec.decode(payload, x.shape, x.dtype)
+            sync()
             t2 = time.perf_counter()
             best_enc, best_dec = min(best_enc, t1 - t0), min(best_dec, t2 - t1)
         out[setting] = (best_enc + best_dec, best_dec)
     return out
-

@@ -33,6 +33,16 @@ replacement repeats ids): the receiver decides every slot's form when the step s
 messages have stored their rows, and this rule gives it the sender's answer. A repeat is compressed against the row
 its earlier occurrence left; a sample repeated within one micro-batch keeps the row of its last occurrence.
 
+AQ-SGD's rows live off the accelerator by default (``store_device="cpu"``: a row per training sample outgrows a
+GPU's memory long before the host's), and there are at most ``store_max_samples`` of them per tensor of the
+message (default :data:`STORE_MAX_SAMPLES`; ``None``: no bound). When a micro-batch's rows take the store past the
+bound, the least recently stored rows go first, except those of samples in any micro-batch of the current step
+(both ends know them, and a row the receiver counted on when the step began must still be there when its slot's
+message is encoded); an evicted sample's next visit is a first visit again, sent FULL. Both ends store and evict
+alike, so their stores stay identical. A step with more distinct samples than the bound cannot keep them all and
+raises, saying so. The order of the rows is part of :meth:`MessageRule.state`, so a resumed run evicts as an
+uninterrupted one.
+
 ``ef21`` and ``clapping-fc`` share one rule; the baseline is the rule run without lazy sampling (every batch
 fresh).
 
@@ -57,6 +67,8 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +79,10 @@ from lightning_clapping.codecs import Codec, NonFiniteError, get_codec
 from lightning_clapping.comm.wire import CODEC, FLAG_REQUIRES_GRAD, FULL, RAW, SKIP, Part, from_raw_bytes, raw_bytes
 
 _BUFFER_NAME = re.compile(r"slot(\d+)\.t(\d+)\.rows(-?\d+)(?:\.(last_rel|skips))?")  # see MessageRule.state
+_ORDER_NAME = re.compile(r"t(\d+)\.order")  # AQ-SGD: the store's rows, least recently stored first
 VARIANTS = ("uncompressed", "direct", "ef21", "aqsgd", "clapping-fc", "clapping-fu")
+#: AQ-SGD's default bound on the rows kept per message tensor (see the module docstring)
+STORE_MAX_SAMPLES = 1 << 16
 
 
 @dataclass
@@ -114,7 +129,16 @@ class MessageRule:
         lazy_threshold: float | None = None,
         max_skips: int = 2,
         fresh_codec: str | Codec | None = None,
+        store_device: torch.device | str | None = "cpu",
+        store_max_samples: int | None = STORE_MAX_SAMPLES,
     ) -> None:
+        """``store_device``: where AQ-SGD keeps its per-sample rows (``None``: on the device of the messages);
+        ``store_max_samples``: at most this many rows per message tensor, evicted as the module docstring says."""
+        if store_max_samples is not None and (isinstance(store_max_samples, bool) or
+                                              not isinstance(store_max_samples, int) or store_max_samples < 1):
+            raise ValueError(f"store_max_samples must be a positive int or None, got {store_max_samples!r}")
+        self.store_device = None if store_device is None else torch.device(store_device)
+        self.store_max_samples = store_max_samples
         self.variant = check_variant(variant)
         self.codec = get_codec(codec)
         #: codec of fresh-step messages for the feedback variants (module docstring); None: as before
@@ -136,7 +160,9 @@ class MessageRule:
             self.kind = "feedback"
         self.reset_on_fresh = variant == "clapping-fu"
         self.buffers: dict[tuple[int, int, int], Tensor] = {}
-        self.store: dict[int, dict[int, Tensor]] = {}  # tensor index -> sample id -> row (AQ-SGD)
+        #: AQ-SGD: tensor index -> sample id -> row, least recently stored first (module docstring)
+        self.store: dict[int, OrderedDict[int, Tensor]] = {}
+        self._warned_eviction = False
         self._last_rel: dict[tuple[int, int, int], float | None] = {}
         self._skips: dict[tuple[int, int, int], int] = {}
         self.stats = RuleStats()
@@ -262,15 +288,15 @@ class MessageRule:
 
     def _encode_per_sample(self, slot, k, t, flags, ctx, seed) -> Part:
         ids = _ids(ctx, slot, t)
-        rows = self.store.setdefault(k, {})
+        rows = self.store.setdefault(k, OrderedDict())
         if not self._visited(slot, ctx, rows) or any(rows[int(i)].shape != t.shape[1:] for i in ids.tolist()):
-            self._store_rows(rows, ids, t)
+            self._store_rows(rows, ids, t, ctx)
             self.stats.full += 1
             return Part(FULL, t.dtype, tuple(t.shape), raw_bytes(t), flags)
-        ref = torch.stack([rows[int(i)] for i in ids.tolist()]).to(t.dtype)
+        ref = _gather_rows(rows, ids, t)
         diff = t - ref
         payload = self.codec.encode(diff, seed=seed)
-        self._store_rows(rows, ids, ref + self.codec.decode(payload, t.shape, t.dtype, seed=seed))
+        self._store_rows(rows, ids, ref + self.codec.decode(payload, t.shape, t.dtype, seed=seed), ctx)
         self._count_compressed(diff, t)
         return Part(CODEC, t.dtype, tuple(t.shape), payload, flags)
 
@@ -285,7 +311,7 @@ class MessageRule:
             elif p.codec == FULL:
                 value = from_raw_bytes(p.payload, p.dtype, p.shape).clone()
                 if self.kind == "per-sample":
-                    self._store_rows(self.store.setdefault(k, {}), _ids(ctx, slot, value), value)
+                    self._store_rows(self.store.setdefault(k, OrderedDict()), _ids(ctx, slot, value), value, ctx)
                 else:
                     self._set(key, value.clone())
                 out.append(value)
@@ -296,8 +322,8 @@ class MessageRule:
                 elif self.kind == "per-sample":
                     rows = self.store[k]
                     ids = _ids(ctx, slot, decoded)
-                    value = torch.stack([rows[int(i)] for i in ids.tolist()]).to(p.dtype) + decoded
-                    self._store_rows(rows, ids, value)
+                    value = _gather_rows(rows, ids, decoded) + decoded
+                    self._store_rows(rows, ids, value, ctx)
                     out.append(value)
                 elif self.reset_on_fresh and ctx.fresh:  # clapping-fu's reset, sent by fresh_codec
                     self._set(key, decoded)
@@ -328,10 +354,31 @@ class MessageRule:
             self._last_rel[key] = float(decoded.float().norm()) / max(float(buf.float().norm()), 1e-30)
             self._skips[key] = 0
 
-    def _store_rows(self, rows: dict[int, Tensor], ids: Tensor, values: Tensor) -> None:
-        dtype = self.store_dtype or values.dtype
-        for i, row in zip(ids.tolist(), values.detach()):
-            rows[int(i)] = row.to(dtype).clone()
+    def _store_rows(self, rows: OrderedDict[int, Tensor], ids: Tensor, values: Tensor, ctx: StepContext) -> None:
+        """Keep ``values`` as the rows of ``ids`` (on the store's device, in its dtype), newest last; then evict."""
+        host = values.detach().to(device=self.store_device or values.device, dtype=self.store_dtype or values.dtype)
+        for i, row in zip(ids.tolist(), host):
+            rows[int(i)] = row.clone()  # its own storage: an evicted row frees its memory
+            rows.move_to_end(int(i))
+        limit = self.store_max_samples
+        if limit is None or len(rows) <= limit:
+            return
+        step = {int(i) for other in ctx.sample_ids or () if other is not None for i in other.tolist()}
+        excess = len(rows) - limit
+        victims = [sid for sid in rows if sid not in step][:excess]
+        if len(victims) < excess:
+            raise ValueError(
+                f"variant='aqsgd' on boundary {self.boundary}: step {ctx.step} holds {len(step)} distinct samples, "
+                f"more than the store keeps (store_max_samples={limit}); raise the bound above the samples of one "
+                "step (batch size, or more with sampling with replacement) or use fewer samples per step")
+        if not self._warned_eviction:
+            self._warned_eviction = True
+            warnings.warn(
+                f"variant='aqsgd' on boundary {self.boundary} ({self.direction}): the per-sample store is full "
+                f"({limit} samples); the least recently seen samples' rows are dropped and those samples are sent "
+                "in full precision at their next visit", stacklevel=2)
+        for sid in victims:
+            del rows[sid]
 
     def state_bytes(self) -> int:
         total = sum(b.numel() * b.element_size() for b in self.buffers.values())
@@ -356,22 +403,32 @@ class MessageRule:
                 out[f"slot{s}.t{k}.rows{r}.skips"] = torch.tensor(self._skips.get((s, k, r), 0), device=b.device)
         for k, rows in self.store.items():
             out.update({f"t{k}.sample{i}": r for i, r in rows.items()})
+            out[f"t{k}.order"] = torch.tensor(list(rows), dtype=torch.int64, device=self.store_device)
         return out
 
     def load_state(self, state: dict[str, Tensor], device: torch.device) -> None:
         """Restore what :meth:`state` saved (exact resume of a compressed run, lazy-message decisions included)."""
         self.buffers.clear()
         self.store.clear()
-        triggers = []
+        triggers, orders = [], {}
         for name, value in state.items():
             match = _BUFFER_NAME.fullmatch(name)
-            if match is None:
+            order = _ORDER_NAME.fullmatch(name)
+            if order is not None:
+                orders[int(order[1])] = value.tolist()
+            elif match is None:
                 k, sample = name[1:].split(".sample")
-                self.store.setdefault(int(k), {})[int(sample)] = value.to(device).clone()
+                rows = self.store.setdefault(int(k), OrderedDict())
+                rows[int(sample)] = value.to(self.store_device or device).clone()
             elif match[4] is None:
                 self._set((int(match[1]), int(match[2]), int(match[3])), value.to(device).clone())
             else:
                 triggers.append(((int(match[1]), int(match[2]), int(match[3])), match[4], value.item()))
+        for k, order in orders.items():  # the rows in the order they were stored (checkpoints may sort names)
+            rows = self.store.get(k, OrderedDict())
+            for sid in order:
+                if sid in rows:
+                    rows.move_to_end(sid)
         for key, what, value in triggers:  # after the buffers: _set resets them
             if what == "skips":
                 self._skips[key] = int(value)
@@ -387,6 +444,11 @@ def _sq_norm(t: Tensor) -> float:
     """Squared L2 norm, accumulated in float32 or wider (one pass, no temporary for float32 tensors)."""
     wide = t.dtype if t.dtype == torch.float64 else torch.float32
     return float(torch.linalg.vector_norm(t, dtype=wide)) ** 2
+
+
+def _gather_rows(rows: OrderedDict[int, Tensor], ids: Tensor, like: Tensor) -> Tensor:
+    """The rows of ``ids`` as one tensor on ``like``'s device and dtype (one copy from the store)."""
+    return torch.stack([rows[int(i)] for i in ids.tolist()]).to(device=like.device, dtype=like.dtype)
 
 
 def _ids(ctx: StepContext, slot: int, t: Tensor) -> Tensor:

@@ -11,6 +11,8 @@
   rank started it), after which :attr:`ByteStats.totals` holds the exact sums over every step so far. The sum of
   tied gradients (:mod:`lightning_clapping.comm.ties`) crosses the pipeline too: its bytes, which every stage can
   work out, are passed in as ``tied`` and added to ``bytes`` (and ``raw_bytes``), and shown as ``tied_bytes``.
+  The numbers travel as a float64 tensor on the stage's device (``placement.device``): NCCL carries CUDA tensors
+  only, so a CPU tensor here would fail the first step of a GPU run.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ByteStats:
         gradients over the whole pipeline (``None``: the model has no tied tensors across stages)."""
         self.finish()
         previous, self._ready = self._ready, {}
-        mine = torch.tensor(stats.as_list(), dtype=torch.float64)
+        mine = torch.tensor(stats.as_list(), dtype=torch.float64, device=self.placement.device)
         if self.num_stages > 1:
             gathered = [torch.zeros_like(mine) for _ in range(self.num_stages)]
             work = dist.all_gather(gathered, mine, group=self.placement.pp_group, async_op=True)
@@ -79,7 +81,8 @@ class ByteStats:
         p = self.placement
         index = (lambda s: 0) if self.num_stages == 1 else \
             (lambda s: dist.get_group_rank(p.pp_group or dist.group.WORLD, p.rank_of_stage(s)))
-        per_stage = [StepStats.from_list(gathered[index(s)].tolist()) for s in range(self.num_stages)]
+        rows = torch.stack(gathered).tolist()  # one copy to the host, whatever the device
+        per_stage = [StepStats.from_list(rows[index(s)]) for s in range(self.num_stages)]
         values = self._values(per_stage, tied)
         self.totals["bytes"] += values["clapping/bytes"]
         self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage) + (tied or (0, 0))[1]

@@ -100,6 +100,8 @@ class PipelineExecutor:
                 "tag (gloo); NCCL matches point-to-point messages by their order only. Leave prepost_receives unset "
                 "(or False) under NCCL."
             )
+        if self.num_stages > 2 and dist.is_initialized():
+            _open_group(group, device)
         #: every point-to-point operation of this rank, issued in groups (see :func:`schedule.with_exchanges`)
         self.queue = P2PQueue(ordered=not prepost, timeout=timeout)
         #: messages produced by the last action, (first, after) operations each, sent in the next exchange
@@ -444,6 +446,16 @@ def _name_message(rule: MessageRule, rule_name: str, j: int, peer: int) -> str:
     """How errors name a received message, e.g. "boundary 1, backward, micro-batch 3, from rank 2"."""
     return (f"boundary {rule.boundary}, {'backward' if rule.direction == 'bwd' else 'forward'}"
             f"{' (evaluation)' if rule_name == 'eval_in' else ''}, micro-batch {j}, from rank {peer}")
+
+
+def _open_group(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Collective over the pipeline, once per executor: a first operation in which every stage takes part.
+
+    NCCL builds a group's communicator in the group's first operation, with every rank of the group; a first
+    ``batch_isend_irecv`` between two of its stages (stage 0 and 1, while stage 2 waits) is one that not every rank
+    joins, which torch leaves undefined. Beyond two stages the pipeline's first messages are such batches, so
+    every stage first takes part in this one-element all-reduce on its device."""
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def _matches_by_tag(group: dist.ProcessGroup | None, device: torch.device) -> bool:
