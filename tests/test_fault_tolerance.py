@@ -114,11 +114,12 @@ def records(out: Path, group: int, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_with_failure(out: Path, victim_rank: int, steps: int = 120, kill_at: int = 12, timeout: float = 240) -> dict:
+def run_with_failure(out: Path, victim_rank: int, lazy: bool, steps: int = 70, kill_at: int = 12,
+                     timeout: float = 240) -> dict:
     """Two groups; when group 1's rank ``victim_rank`` has done ``kill_at`` steps it is SIGKILLed, the rest of group 1
     is stopped and group 1 starts again. Returns what happened, for the assertions."""
     with lighthouse() as address:
-        env = {"TORCHFT_LIGHTHOUSE": address, "NUM_REPLICA_GROUPS": "2", "FT_TIMEOUT": "20"}
+        env = {"TORCHFT_LIGHTHOUSE": address, "NUM_REPLICA_GROUPS": "2", "FT_TIMEOUT": "20", "FT_LAZY": str(int(lazy))}
         groups = [Group(g, out, steps, env) for g in (0, 1)]
         for g in groups:
             g.start()
@@ -147,9 +148,36 @@ def run_with_failure(out: Path, victim_rank: int, steps: int = 120, kill_at: int
     return {"groups": groups, "killed": killed, "restarted": restarted, "outputs": outputs}
 
 
-@pytest.mark.parametrize("victim_rank", [1, 0], ids=["stage0_killed", "stage1_and_manager_killed"])
-def test_a_group_that_loses_a_process_rejoins_and_every_group_ends_bit_equal(tmp_path, victim_rank):
-    run = run_with_failure(tmp_path, victim_rank)
+def expected_inputs(group: int, lazy: bool, steps: int) -> list[float]:
+    """The sum of the inputs of each step's batch that an uninterrupted group ``group`` trains on (ft_run.py's data)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from _models import classification_data
+    from lightning_clapping import LazySamplingLoader
+
+    x, y = classification_data(n=256, seed=1)
+    out: list[float] = []
+    if lazy:
+        loader = LazySamplingLoader(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True), p=0.5, seed=3,
+                                    num_replicas=2, replica_rank=group)
+        while len(out) < steps:
+            out += [float(b[0].double().sum()) for b in loader]
+        return out[:steps]
+    shard = DistributedSampler(TensorDataset(x, y), num_replicas=2, rank=group, shuffle=True, seed=0)
+    epoch = 0
+    while len(out) < steps:
+        shard.set_epoch(epoch)
+        order = list(shard)
+        out += [float(x[order[i:i + 8]].double().sum()) for i in range(0, len(order), 8)]
+        epoch += 1
+    return out[:steps]
+
+
+@pytest.mark.parametrize("victim_rank, lazy", [(1, False), (0, True)],
+                         ids=["stage0_killed", "stage1_and_its_manager_killed_lazy_data"])
+def test_a_group_that_loses_a_process_rejoins_and_every_group_ends_bit_equal(tmp_path, victim_rank, lazy):
+    steps = 70
+    run = run_with_failure(tmp_path, victim_rank, lazy, steps)
     groups, killed, outputs = run["groups"], run["killed"], run["outputs"]
     assert killed is not None and run["restarted"] is not None, outputs
     survivor, lost = groups
@@ -161,7 +189,7 @@ def test_a_group_that_loses_a_process_rejoins_and_every_group_ends_bit_equal(tmp
         assert {r["pid"] for r in recs} == {survivor.pids[rank]}
         gaps = [b["t"] - a["t"] for a, b in zip(recs, recs[1:])]
         assert max(gaps) < 30, f"survivor rank {rank} paused {max(gaps):.1f} s"
-        assert [r["step"] for r in recs] == list(range(1, len(recs) + 1)), "the survivors never restarted a step"
+        assert [r["step"] for r in recs] == list(range(1, steps + 1)), "the survivors never restarted a step"
     # the restarted group: joined within 60 s of its start, at the survivors' step, with their state
     again = [r for r in records(tmp_path, 1, 0) if r["pid"] == lost.pids[0]]
     assert again, outputs[1]
@@ -169,8 +197,15 @@ def test_a_group_that_loses_a_process_rejoins_and_every_group_ends_bit_equal(tmp
     assert first["t"] - first["started"] < 60, f"rejoined {first['t'] - first['started']:.1f} s after its start"
     assert again[0]["heals"] >= 1 and again[0]["step"] > killed["step"] + 1
     survivor_at = {r["step"]: r for r in records(tmp_path, 0, 0)}
-    assert survivor_at[again[0]["step"]]["epoch"] == again[0]["epoch"]
-    assert survivor_at[again[0]["step"]]["batch_idx"] == again[0]["batch_idx"]
+    assert all((survivor_at[r["step"]]["epoch"], survivor_at[r["step"]]["batch_idx"]) == (r["epoch"], r["batch_idx"])
+               for r in again), "the restarted group is at another place in the epoch than the survivors"
+    # every group trained on its own shard, the restarted one from where its shard was when it came back
+    for g in (0, 1):
+        want = expected_inputs(g, lazy, steps)
+        for rank in (0, 1):
+            got = {r["step"]: r["xsum"] for r in records(tmp_path, g, rank)}
+            wrong = [s for s, v in got.items() if v != want[s - 1]]
+            assert not wrong, f"group {g} rank {rank} trained on other batches at steps {wrong[:8]}"
     a, b = (torch.load(tmp_path / f"group{g}_final.pt") for g in (0, 1))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the groups' final weights differ"
 

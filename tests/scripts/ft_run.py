@@ -6,7 +6,7 @@
 
 Every rank appends one JSON line per training step to OUT/group<g>_rank<r>.jsonl: wall time, its pid, the global
 step, whether torchft committed the step, how many groups took part, how many heals this process did, and the time
-this process started. After the run, rank 0 of each group saves the whole model to OUT/group<g>_final.pt.
+this process started, and the sum of the batch's inputs (which samples it trained on). After the run, rank 0 of each group saves the whole model to OUT/group<g>_final.pt.
 
 Pacing: a group that trains alone (its peer is down) sleeps SLOW seconds per step, so that the survivors are still
 training when the lost group comes back however slowly its processes start here; with peers it runs at full speed.
@@ -41,7 +41,7 @@ class Progress(L.Callback):
         _, _, committed, participants = votes[-1]
         record = {"t": time.time(), "pid": os.getpid(), "step": trainer.global_step, "committed": committed,
                   "participants": participants, "heals": replica_group(trainer).heals, "started": STARTED,
-                  "epoch": trainer.current_epoch, "batch_idx": batch_idx}
+                  "epoch": trainer.current_epoch, "batch_idx": batch_idx, "xsum": float(batch[0].double().sum())}
         with open(self.out / f"group{self.group}_rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if participants < 2:
