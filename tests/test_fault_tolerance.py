@@ -210,6 +210,42 @@ def test_a_group_that_loses_a_process_rejoins_and_every_group_ends_bit_equal(tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the groups' final weights differ"
 
 
+@pytest.mark.parametrize("reused", [True, False], ids=["inside_a_reuse_window", "at_a_fresh_draw"])
+def test_a_peers_lazy_loader_state_resumes_this_groups_own_shard_exactly(reused):
+    """A restarted group takes the fit-loop state of a peer, whose lazy loader walks another shard: made this
+    group's (:func:`~lightning_clapping.fault_tolerance._retarget`), it goes on as this group's uninterrupted loader."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from _models import classification_data
+    from lightning_clapping import LazySamplingLoader
+    from lightning_clapping.fault_tolerance import _retarget
+
+    x, y = classification_data(n=256, seed=1)
+
+    def loader(group):
+        return LazySamplingLoader(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True), p=0.5, seed=3,
+                                  num_replicas=2, replica_rank=group)
+
+    mine = loader(1)
+    batches, fresh = [], []
+    for i, b in enumerate(mine):
+        batches.append(b[0])
+        fresh.append(mine.batch_info(i).fresh)
+    at = next(t for t in range(4, len(batches)) if fresh[t] is not reused)  # the first step the rejoined group runs
+    peer = loader(0)
+    for _, _ in zip(range(at), peer):
+        pass
+    rejoined = loader(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "exact resume is impossible"
+        rejoined.load_state_dict(_retarget(peer.state_dict(), rejoined, 1))
+        rest = [b[0] for b in rejoined]
+    assert len(rest) == len(batches) - at
+    assert all(torch.equal(a, b) for a, b in zip(rest, batches[at:]))
+
+
 # ---------------------------------------------------------------------------------------------- the hand-over bytes
 def test_the_rejoin_state_round_trips_without_pickle():
     state = {"module": {"w": torch.randn(3, 4), "b": torch.zeros(0, dtype=torch.bfloat16)},
