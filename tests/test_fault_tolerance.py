@@ -246,6 +246,23 @@ def test_a_peers_lazy_loader_state_resumes_this_groups_own_shard_exactly(reused)
     assert all(torch.equal(a, b) for a, b in zip(rest, batches[at:]))
 
 
+@pytest.mark.parametrize("committed", [True, False])
+def test_the_optimizer_steps_only_when_torchft_commits_the_step(committed):
+    """The gate around the optimizer's step: the closure (forward, backward, average) always runs, the update only
+    when every rank of every live group got through the step."""
+    from types import SimpleNamespace
+
+    from lightning_clapping.fault_tolerance import FaultTolerantFit
+
+    fit = FaultTolerantFit.__new__(FaultTolerantFit)
+    fit.group = SimpleNamespace(should_commit=lambda: committed)
+    fit.config, fit.trainer = SimpleNamespace(replica_group=0), SimpleNamespace(global_step=3)
+    calls = []
+    gated = fit._gated(lambda **kw: calls.append("step"))
+    assert gated(closure=lambda: calls.append("closure") or 1.5) == 1.5
+    assert calls == (["closure", "step"] if committed else ["closure"])
+
+
 # ---------------------------------------------------------------------------------------------- the hand-over bytes
 def test_the_rejoin_state_round_trips_without_pickle():
     state = {"module": {"w": torch.randn(3, 4), "b": torch.zeros(0, dtype=torch.bfloat16)},
