@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 
 KILL_AT = 15
 MODES = {"full": (500, 3), "quick": (300, 1)}  # steps, trials
-ALONE_SLEEP_S = 0.2  # a group training without peers sleeps this long per step (see the module docstring)
+ALONE_SLEEP_S = 0.5  # a group training without peers sleeps this long per step (see the module docstring)
 LIGHTHOUSE_ARGS = ["--min_replicas", "1", "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"]
 TIMEOUT_S = 20  # the groups' collective timeout (FaultTolerance.timeout)
 
@@ -194,9 +194,10 @@ def measure(out: Path, killed: dict | None, codes: list[int], victim_rank: int) 
         result["steps_lost_failed_group"] = dead_lost
         result["failed_group_last_committed_step"] = max(
             r["step"] for recs in dead for r in recs if r["kind"] == "step" and r["committed"])
-        firsts = [next(r for r in recs if r["kind"] == "step" and r["committed"] and r["participants"] == 2)
+        firsts = [next((r for r in recs if r["kind"] == "step" and r["committed"] and r["participants"] == 2), None)
                   for recs in again]
-        if firsts:
+        result["rejoined"] = bool(firsts) and None not in firsts
+        if result["rejoined"]:
             result["rejoined_at_step"] = min(r["step"] for r in firsts)
             result["restart_to_first_commit_s"] = round(max(r["t"] - r["started"] for r in firsts), 2)
             result["kill_to_first_commit_s"] = round(max(r["t"] for r in firsts) - killed["t"], 2)
@@ -234,6 +235,7 @@ def main() -> None:
         results.append(r)
     summary = {
         "steps": steps, "kill_at_step": KILL_AT, "trials": len(results),
+        "rejoined": sum(bool(r.get("rejoined")) for r in results),
         "bit_equal": sum(bool(r.get("bit_equal")) for r in results),
         "steps_lost_survivors_max": max(r["steps_lost_survivors"] for r in results),
         "steps_lost_failed_group_max": max(r.get("steps_lost_failed_group", 0) for r in results),

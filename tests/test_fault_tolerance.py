@@ -306,3 +306,48 @@ def test_fault_tolerance_settings_are_checked():
         resolve(FaultTolerance(timeout=timedelta(0)))
     with pytest.raises(TypeError):
         resolve("yes")
+
+
+def test_a_groups_shard_skips_the_batches_taken_this_epoch_once():
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_clapping.ft.sampler import shard_loader
+
+    data = TensorDataset(torch.arange(40.0))
+    loader = DataLoader(data, batch_size=4, shuffle=True)
+    sampler = shard_loader(loader, num_groups=2, group=1, seed=0)
+    reference = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
+    sampler.set_epoch(3)
+    reference.set_epoch(3)
+    sampler.skip_once(2 * 4)
+    assert len(loader) == 5
+    assert torch.cat([b[0] for b in loader]).long().tolist() == list(reference)[8:]
+    assert torch.cat([b[0] for b in loader]).long().tolist() == list(reference)  # the next pass is whole
+
+
+def test_a_train_loader_that_cannot_be_sharded_is_refused_with_the_reason():
+    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+    from lightning_clapping.ft.sampler import shard_loader
+
+    data = TensorDataset(torch.arange(8.0))
+    loader = DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(ValueError, match="LazySamplingDataModule"):
+        shard_loader(loader, 2, 0, 0)
+
+
+# ---------------------------------------------------------------------------------------------- the benchmark
+@pytest.mark.bench
+def test_replica_failure_benchmark_measures_one_failure_under_torchrun(tmp_path):
+    """The benchmark's quick mode: the documented recipe (a lighthouse, one torchrun per group) with one SIGKILL."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "replica_failure.py"), "--quick", "--out",
+                           str(tmp_path), "--work", str(tmp_path / "work")], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "replica_failure.json").read_text())
+    (result,) = report["trials"]
+    assert result["killed"] and result["survivor_processes"] == 2, result
+    assert result["rejoined"] and result["bit_equal"], result
+    assert result["steps_lost_survivors"] <= 1 and result["seconds_paused"] < 30, result
