@@ -3,7 +3,7 @@
     python benchmarks/replica_failure.py [--quick] [--trials N] [--out benchmarks/results]
 
 Each trial is the documented launch recipe on one machine: a torchft lighthouse, then one ``torchrun
---nproc-per-node 2 --max-restarts 1`` per replica group (2 groups x 2 stages of an MLP, 8 samples per group and
+--nproc-per-node 2 --max-restarts 3`` per replica group (2 groups x 2 stages of an MLP, 8 samples per group and
 step, SGD with momentum). Once group 1 has trained ``KILL_AT`` steps, one of its processes is SIGKILLed (trials
 alternate between its rank 1, stage 0, and its rank 0, stage 1, which also hosts the group's torchft manager);
 torchrun restarts group 1, which rejoins. Every rank logs each step (``--worker``). Per failure:
@@ -47,6 +47,7 @@ MODES = {"full": (500, 3), "quick": (300, 1)}  # steps, trials
 ALONE_SLEEP_S = 0.5  # a group training without peers sleeps this long per step (see the module docstring)
 LIGHTHOUSE_ARGS = ["--min_replicas", "1", "--join_timeout_ms", "2000", "--heartbeat_timeout_ms", "2000"]
 TIMEOUT_S = 20  # the groups' collective timeout (FaultTolerance.timeout)
+MAX_RESTARTS = 3  # torchrun's --max-restarts for each group
 
 
 # ---------------------------------------------------------------------------------------------- one replica group
@@ -140,7 +141,7 @@ def trial(out: Path, steps: int, victim_rank: int) -> dict:
                                   stderr=subprocess.STDOUT)
     groups = []
     for g in (0, 1):
-        cmd = ["torchrun", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+        cmd = ["torchrun", "--nproc-per-node", "2", "--max-restarts", str(MAX_RESTARTS), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(Path(__file__).resolve()), "--worker", str(out),
                str(steps)]
         groups.append(subprocess.Popen(cmd, env={**env, "REPLICA_GROUP_ID": str(g)}, stdout=logs[g + 1],
@@ -172,6 +173,9 @@ def measure(out: Path, killed: dict | None, codes: list[int], victim_rank: int) 
 
     survivors, lost = _records(out, 0), _records(out, 1)
     result: dict = {"victim": f"group 1 rank {victim_rank} (stage {1 - victim_rank})", "exit_codes": codes,
+                    "group1_starts": len({r[0]["started"] for r in _records(out, 1).values()}),
+                    "group1_mesh_failures": (out / "group1.log").read_text(errors="replace").count(
+                        "RuntimeError: Gloo connectFullMesh failed"),
                     "killed": killed is not None, "survivor_processes": len(survivors)}
     paused, survivor_lost = [], 0
     for recs in survivors.values():
