@@ -5,6 +5,7 @@
 
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
+from lightning_clapping.ft import FaultTolerance
 from lightning_clapping.codecs.feedback import VARIANTS
 from lightning_clapping.pipeline.materialize import MaterializeError, building_on_meta, materialize_module
 from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
@@ -22,6 +23,7 @@ __all__ = [
     "BatchInfo",
     "ClappingStrategy",
     "Codec",
+    "FaultTolerance",
     "LazySamplingDataModule",
     "LazySamplingLoader",
     "MaterializeError",

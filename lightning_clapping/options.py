@@ -20,6 +20,7 @@ from lightning_clapping.checkpoint.state import STATE_DICT_TYPES
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import check_variant
 from lightning_clapping.comm.placement import Topology
+from lightning_clapping.ft.config import resolve as resolve_fault_tolerance
 from lightning_clapping.launcher import refuse_spawn
 from lightning_clapping.pipeline.recompute import check_policy
 from lightning_clapping.pipeline.schedule import SCHEDULES
@@ -62,6 +63,8 @@ class ClappingOptions:
     tied_codec: Any = None
     #: submodule name ("" for the whole LightningModule) -> safetensors checkpoint read after materializing
     pretrained: dict[str, str] | None = None
+    #: replica groups that drop out and rejoin (lightning_clapping.ft); None: off
+    fault_tolerance: Any = None
 
     @classmethod
     def check(cls, *, split_points: list[str] | None, stages: int | None, ddp_comm_hook: Any, ddp_comm_state: Any,
@@ -70,7 +73,8 @@ class ClappingOptions:
               max_skips: int, sample_store_dtype: torch.dtype | None, freeze_rng: bool,
               process_group_backend: str | None, timeout: timedelta, liveness: timedelta | None,
               prepost_receives: bool | None, log_bytes: bool, state_dict_type: str, start_method: str,
-              activation_checkpointing: Any, tied_codec: Any = None, pretrained: Any = None) -> ClappingOptions:
+              activation_checkpointing: Any, tied_codec: Any = None, pretrained: Any = None,
+              fault_tolerance: Any = None) -> ClappingOptions:
         """Validate the constructor's arguments (in the order they have always been checked) into options."""
         refuse_spawn(start_method)
         if state_dict_type not in STATE_DICT_TYPES:
@@ -113,6 +117,10 @@ class ClappingOptions:
             raise ValueError(f"liveness must be a datetime.timedelta of at least 0.4 s (e.g. timedelta(seconds=30)) or "
                              f"None to turn the watchdog off, got {liveness!r}")
         tied = _check_tied_codec(tied_codec)
+        fault_tolerance = resolve_fault_tolerance(fault_tolerance)
+        if fault_tolerance is not None and ddp_comm_hook is not None:
+            raise ValueError("fault_tolerance averages gradients over the replica groups through torchft; it takes no "
+                             "ddp_comm_hook (drop one of them)")
         auto = schedule.lower() == "auto"
         return cls(
             split_points=split_points, stages=stages, ddp_comm_hook=ddp_comm_hook, ddp_comm_state=ddp_comm_state,
@@ -123,6 +131,7 @@ class ClappingOptions:
             process_group_backend=process_group_backend, timeout=timeout, liveness=liveness,
             prepost_receives=prepost_receives, log_bytes=log_bytes, state_dict_type=state_dict_type,
             activation_checkpointing=policy, tied_codec=tied, pretrained=_check_pretrained(pretrained),
+            fault_tolerance=fault_tolerance,
         )
 
     def num_stages(self, num_ranks: int) -> int:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_clapping import _compat, first_pass
+from lightning_clapping import _compat, fault_tolerance, first_pass
 from lightning_clapping import precision
 from lightning_clapping.codecs.feedback import StepContext
 from lightning_clapping.comm import failures
@@ -70,6 +70,7 @@ class StepDriver:
         for hook in EPOCH_END_HOOKS:
             patches.set(self.module, hook, self._on_last_stage(getattr(self.module, hook)))
         patches.set(self.precision_plugin, "clip_grad_by_norm", self.clip_grad_by_norm)
+        fault_tolerance.attach(self, patches)  # with fault_tolerance: torchft averages over the replica groups
 
     # ------------------------------------------------------------------ training
     def train(self, optimizers: list[Any], batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:

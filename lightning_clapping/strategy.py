@@ -134,6 +134,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
             recompute sees the same dropout masks. ``None`` (default): off.
         pretrained: a safetensors checkpoint each stage reads its own tensors from once it has materialized them from
             the meta device, or ``{"model": path}`` for a submodule's (``self.model``) keys; see README "Big models".
+        fault_tolerance: ``"torchft"`` or a :class:`~lightning_clapping.FaultTolerance`: each replica is a job of
+            its own that drops out when it loses a process, and rejoins (docs/fault_tolerance.md). Default: off.
     """
 
     strategy_name = "clapping"
@@ -168,7 +170,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         prepost_receives: bool | None = None,
         log_bytes: bool = True,
         state_dict_type: Literal["full", "sharded"] = "full",
-        start_method: Literal["popen"] = "popen",
+        start_method: Literal["popen"] = "popen", fault_tolerance: Any = None,
         activation_checkpointing: Any = None, tied_codec: Any = None, pretrained: Any = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -181,7 +183,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
             warm_start=warm_start, lazy_messages=lazy_messages, max_skips=max_skips,
             sample_store_dtype=sample_store_dtype, freeze_rng=freeze_rng, process_group_backend=process_group_backend,
             timeout=timeout, liveness=liveness, prepost_receives=prepost_receives, log_bytes=log_bytes,
-            state_dict_type=state_dict_type, start_method=start_method,
+            state_dict_type=state_dict_type, start_method=start_method, fault_tolerance=fault_tolerance,
             activation_checkpointing=activation_checkpointing, tied_codec=tied_codec, pretrained=pretrained,
         )
         self._process_group_backend = process_group_backend
@@ -507,11 +509,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         if self.lightning_module.trainer.state.fn == TrainerFn.VALIDATING:
             self._gather_full_weights()
 
-    def on_test_end(self) -> None:
-        self._gather_full_weights()
-
-    def on_predict_end(self) -> None:
-        self._gather_full_weights()
+    on_test_end = on_predict_end = _gather_full_weights
 
     def teardown(self) -> None:
         if self._watchdog is not None:
