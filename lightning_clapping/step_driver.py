@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,6 +31,7 @@ from lightning_clapping.comm.replicas import GradientAverager
 from lightning_clapping.comm.step_results import ByteStats, pack_results, unpack_results
 from lightning_clapping.comm.ties import TiedGradients
 from lightning_clapping.data import find_lazy_loader
+from lightning_clapping.hooks import EPOCH_END_HOOKS, EpochEndHooks
 from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.options import ClappingOptions
 from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
@@ -39,8 +40,6 @@ from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
 from lightning_clapping.stage_setup import Patches
 from lightning_clapping.tuning import Tuning
-
-EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
 
 
 class StepDriver:
@@ -66,9 +65,11 @@ class StepDriver:
         self._tie_sum_due = False
 
     def patch_hooks(self, patches: Patches) -> None:
-        """The epoch-end hooks run on the last stage only, and clipping goes by the whole model's norm."""
-        for hook in EPOCH_END_HOOKS:
-            patches.set(self.module, hook, self._on_last_stage(getattr(self.module, hook)))
+        """The epoch-end hooks run on the last stage only (:mod:`lightning_clapping.hooks`), and clipping goes by
+        the whole model's norm."""
+        hooks = EpochEndHooks(self.module, self.placement, self.relay, self.broadcast_logs)
+        for hook in EPOCH_END_HOOKS:  # on the last stage, with a rule for collectives (see hooks.py)
+            patches.set(self.module, hook, hooks.wrap(hook, getattr(self.module, hook)))
         patches.set(self.precision_plugin, "clip_grad_by_norm", self.clip_grad_by_norm)
         fault_tolerance.attach(self, patches)  # with fault_tolerance: torchft averages over the replica groups
 
@@ -251,19 +252,6 @@ class StepDriver:
         if placement.num_stages > 1:
             dist.broadcast_object_list(box, src=placement.last_rank, group=placement.pp_group)
         self.relay.replay(box[0], self._local_logs, placement.device)
-
-    def _on_last_stage(self, user_hook: Callable[[], None]) -> Callable[[], None]:
-        """An epoch-end hook runs on the last stage only, where the step outputs it reads exist (the earlier stages
-        never reach the code after their cut); what it logs is relayed to every rank, like the steps' logs."""
-
-        def hook() -> None:
-            self.relay.clear()
-            if self.placement.is_last:
-                with self.relay.capture(1):
-                    user_hook()
-            self.broadcast_logs()
-
-        return hook
 
     def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
         extra = {} if info is None else {"clapping/distinct_samples": info.distinct_samples,
