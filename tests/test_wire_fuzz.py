@@ -37,6 +37,7 @@ from lightning_clapping.comm.wire import (  # noqa: E402
     SKIP,
     Part,
     WireError,
+    check_codec_payload,
     decode_message,
     decode_payload,
     pack,
@@ -248,7 +249,11 @@ def test_a_topk_index_past_the_tensor_is_refused_before_the_decoder_writes():
     x = torch.randn(5, 6)
     payload = codec.encode(x)
     payload[codec.values_nbytes(codec.count(30)):] = 0xFF  # 5-bit indices of 31: past the 30 values
+    # checked before decoding where the decoder's out-of-bounds write would be a device assert (accelerators)
     with pytest.raises(WireError, match=f"^{WHERE}: topk:0.25 payload .* flat index 31 is past the tensor's 30"):
+        check_codec_payload(codec, payload, (5, 6), torch.float32, WHERE, indices=True)
+    # on the CPU the decoder's IndexError is caught instead
+    with pytest.raises(WireError, match=f"^{WHERE}: topk:0.25 payload .* could not be decoded .*index 31"):
         decode_payload(codec, payload, (5, 6), torch.float32, seed=0, where=WHERE)
 
 
