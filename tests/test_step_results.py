@@ -6,6 +6,7 @@ trains again with ``autotune=True``. First, in one process: the results' byte la
 ``self.log`` records, refuses what it cannot carry, and never unpickles.
 """
 
+import inspect
 import json
 import math
 import pickle
@@ -16,6 +17,7 @@ import torch
 import torchmetrics
 
 from conftest import launch_forked
+from lightning_clapping.comm.results_layout import OPTION_NAMES
 from lightning_clapping.comm.step_results import pack_results, unpack_results
 from lightning_clapping.comm.wire import WireError
 from lightning_clapping.log_relay import LogRelay
@@ -53,6 +55,11 @@ def test_everything_self_log_records_comes_back_from_the_results_bytes():
     fingerprint = (0, 12345, 2**64 - 1)
     assert unpack_results(pack_results(0.125, wire, fingerprint)) == (0.125, wire, fingerprint)
     assert unpack_results(pack_results(None, [], None)) == (None, [], None)
+
+
+def test_the_layout_knows_every_keyword_of_self_log():
+    keywords = set(inspect.signature(pl.LightningModule.log).parameters) - {"self", "name", "value"}
+    assert set(OPTION_NAMES) == keywords
 
 
 def test_a_value_or_option_the_layout_cannot_carry_is_refused_with_its_log_key():

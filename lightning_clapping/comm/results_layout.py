@@ -9,11 +9,11 @@ looked up from the bytes, so a crafted attachment can at worst be refused. All i
     header    magic "CR", version (u8), flags (u8: 1 = a loss, 2 = a fingerprint), number of log records (u32)
     loss      float64                                         (if flag 1)
     print     count (u32), then that many u64                 (if flag 2: the batch fingerprint)
-    records   each: name      length (u32) + UTF-8
+    records   each: name      length (u16) + UTF-8
                     value     form (u8: 0 a Python number, 1 a tensor), dtype code (u8, as in ``wire``), ndim (u8),
-                              shape (ndim x i64), payload length (u64, = elements x item size), the raw bytes
-                    options   count (u8), each: key (u8 length + UTF-8, a parameter of ``LightningModule.log``),
-                              tag (u8, :data:`_NONE` ... :data:`_FN`) and its value
+                              shape (ndim x i64), payload length (u32, = elements x item size), the raw bytes
+                    options   count (u8), each: key (u8, its index in :data:`OPTION_NAMES`), tag (u8,
+                              :data:`_NONE` ... :data:`_FN`) and its value
                     metric    0 (u8), or 1 then the attribute name (u32 length + UTF-8) and the step value (float64)
 
 A record is what :meth:`lightning_clapping.log_relay.LogRelay.to_wire` makes of one ``self.log`` call:
@@ -29,13 +29,11 @@ are packed, with the name of the log key.
 from __future__ import annotations
 
 import builtins
-import inspect
 import math
 import struct
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_clapping.comm.wire import DTYPE_CODE, DTYPES, MAX_NDIM, WireError
@@ -44,14 +42,17 @@ MAGIC = b"CR"
 VERSION = 1
 _HAS_LOSS, _HAS_FINGERPRINT = 1, 2
 _HEAD = struct.Struct("<2sBBI")
-_U8, _U32, _U64, _I64, _F64 = (struct.Struct(f) for f in ("<B", "<I", "<Q", "<q", "<d"))
+_U8, _U16, _U32, _U64, _I64, _F64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<Q", "<q", "<d"))
 _NUMBER, _TENSOR = 0, 1  # the forms of a value
 _NUMBER_DTYPES = {float: torch.float64, int: torch.int64, bool: torch.bool}
 _NONE, _FALSE, _TRUE, _INT, _FLOAT, _STR, _FN = range(7)  # the tags of an option's value
 #: the reductions an option may name (``reduce_fx``), by their index on the wire
 _FUNCTIONS = (torch.mean, torch.sum, torch.max, torch.min, builtins.sum, builtins.max, builtins.min)
-#: the keyword arguments of ``LightningModule.log`` a record may carry
-OPTION_NAMES = frozenset(inspect.signature(pl.LightningModule.log).parameters) - {"self", "name", "value"}
+#: the keyword arguments of ``LightningModule.log`` a record may carry, by their index on the wire (new ones go at
+#: the end; :func:`pack` refuses a keyword that is not here)
+OPTION_NAMES = ("prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "enable_graph", "sync_dist",
+                "sync_dist_group", "add_dataloader_idx", "batch_size", "metric_attribute", "rank_zero_only")
+_OPTION_INDEX = {name: i for i, name in enumerate(OPTION_NAMES)}
 WHERE = "step results"
 
 
@@ -86,7 +87,7 @@ def _pack_record(out: bytearray, record: Any) -> None:
                         "a bool, a tensor or a torchmetrics Metric, with options that are None, bool, int, float or "
                         "str (reduce_fx: 'mean', 'sum', 'max', 'min' or torch's functions of those names)")
 
-    _put_str(out, name, _U32)
+    _put_str(out, name, _U16)
     if isinstance(value, torch.Tensor):
         tensor, form = value.detach().cpu().contiguous(), _TENSOR
         if tensor.dtype not in DTYPE_CODE or tensor.dim() > MAX_NDIM:
@@ -101,14 +102,16 @@ def _pack_record(out: bytearray, record: Any) -> None:
     for d in tensor.shape:
         out += _I64.pack(d)
     payload = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-    out += _U64.pack(len(payload)) + payload
+    if len(payload) >= 1 << 32:
+        raise ValueError(f"self.log({name!r}, ...): a tensor of {len(payload)} bytes is too large to log")
+    out += _U32.pack(len(payload)) + payload
     if not isinstance(options, dict) or len(options) > 255:
         refuse(f"options {options!r}")
     out += _U8.pack(len(options))
     for key, v in options.items():
-        if key not in OPTION_NAMES:
-            refuse(f"the option {key!r} (not a parameter of LightningModule.log)")
-        _put_str(out, key, _U8)
+        if key not in _OPTION_INDEX:
+            refuse(f"the option {key!r} (not a parameter of LightningModule.log this layout knows)")
+        out.append(_OPTION_INDEX[key])
         if v is None or isinstance(v, bool):
             out.append({None: _NONE, False: _FALSE, True: _TRUE}[v])
         elif type(v) is int and -(1 << 63) <= v < 1 << 63:
@@ -183,7 +186,7 @@ def unpack(blob: bytes) -> tuple[float | None, list[tuple[str, Any, dict[str, An
     if flags & _HAS_FINGERPRINT:
         n = r.field(_U32, "fingerprint length")
         fingerprint = struct.unpack(f"<{n}Q", r.take(8 * n, f"fingerprint of {n} values"))
-    logs = [_read_record(r, i, count) for i in range(count)]  # each record takes >= 14 bytes: a bad count fails fast
+    logs = [_read_record(r, i, count) for i in range(count)]  # each record takes >= 11 bytes: a bad count fails fast
     if r.pos != len(r.blob):
         r.fail(f"{len(r.blob) - r.pos} bytes left after {count} records")
     return loss, logs, fingerprint
@@ -191,14 +194,14 @@ def unpack(blob: bytes) -> tuple[float | None, list[tuple[str, Any, dict[str, An
 
 def _read_record(r: _Reader, i: int, count: int) -> tuple[str, Any, dict[str, Any], Any]:
     at = f"record {i} of {count}"
-    name = r.text(_U32, f"{at}: name")
+    name = r.text(_U16, f"{at}: name")
     at = f"{at} ({name!r})"
     form, dcode, ndim = r.take(3, f"{at}: value header")
     if form not in (_NUMBER, _TENSOR) or dcode >= len(DTYPES) or ndim > MAX_NDIM:
         r.fail(f"{at}: value of form {form}, dtype code {dcode}, {ndim} dimensions")
     dtype = DTYPES[dcode]
     shape = struct.unpack(f"<{ndim}q", r.take(8 * ndim, f"{at}: shape"))
-    nbytes = r.field(_U64, f"{at}: value length")
+    nbytes = r.field(_U32, f"{at}: value length")
     if min(shape, default=0) < 0 or nbytes != math.prod(shape) * dtype.itemsize:
         r.fail(f"{at}: {nbytes} value bytes for shape {shape} of {dtype}")
     raw = r.take(nbytes, f"{at}: value")
@@ -213,9 +216,10 @@ def _read_record(r: _Reader, i: int, count: int) -> tuple[str, Any, dict[str, An
         value = tensor
     options: dict[str, Any] = {}
     for _ in range(r.field(_U8, f"{at}: option count")):
-        key = r.text(_U8, f"{at}: option name")
-        if key not in OPTION_NAMES or key in options:
-            r.fail(f"{at}: option {key!r} is not a parameter of LightningModule.log, or comes twice")
+        index = r.field(_U8, f"{at}: option")
+        key = OPTION_NAMES[index] if index < len(OPTION_NAMES) else None
+        if key is None or key in options:
+            r.fail(f"{at}: option {key or index!r} is unknown, or comes twice")
         options[key] = _read_option(r, f"{at}: option {key!r}")
     has_metric = r.field(_U8, f"{at}: metric flag")
     if has_metric > 1:
