@@ -87,9 +87,13 @@ class StageCheckpoints:
                                   "num_stages": num_stages, "autotune": tuning.to_wire()}
 
     def complete_full(self, checkpoint: dict[str, Any], feedback: dict[str, Any], placement: Placement,
-                              module: pl.LightningModule) -> None:
+                      module: pl.LightningModule, filepath: Any) -> None:
         """``"full"``, collective over every rank: all error-feedback buffers (and whole hyperparameter modules)
-        into rank 0's checkpoint."""
+        into rank 0's checkpoint, and ``filepath`` made ready for the file (a sharded folder there is removed, see
+        :func:`~lightning_clapping.checkpoint.state.claim_path`; a path with a protocol, ``s3://...``, is left to
+        Lightning's checkpoint IO)."""
+        if "://" not in str(filepath):
+            ckpt.claim_path(Path(filepath), sharded=False, device=placement.device)
         parts = ckpt.gather_to_zero(feedback, placement.device)
         if parts is not None:
             checkpoint["clapping_feedback"] = {k: v for part in parts for k, v in part.items()}
@@ -98,9 +102,8 @@ class StageCheckpoints:
 
     def save_sharded(self, checkpoint: dict[str, Any], path: Path, feedback: dict[str, Any],
                      placement: Placement) -> None:
-        """``"sharded"``: every stage of replica 0 writes its tensors, the other replicas their buffers only."""
-        if placement.global_rank == 0 and path.is_file():
-            path.unlink()
+        """``"sharded"``: every stage of replica 0 writes its tensors, the other replicas their buffers only. The
+        folder is written beside ``path`` and renamed into place when complete (:func:`lightning_clapping.checkpoint.state.save_sharded`)."""
         tensors = {"model": checkpoint.pop("state_dict"), "clapping_feedback": feedback}
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{i}"] = state
@@ -114,7 +117,7 @@ class StageCheckpoints:
                 f"cannot rebuild the model from them. Use `self.save_hyperparameters(ignore={held!r})` and build "
                 "those modules in the LightningModule, or state_dict_type='full'."
             )
-        ckpt.save_sharded(path, tensors, checkpoint if placement.global_rank == 0 else None)
+        ckpt.save_sharded(path, tensors, checkpoint if placement.global_rank == 0 else None, placement.device)
 
     # ------------------------------------------------------------------ loading
     def load_sharded(self, path: Path, module: pl.LightningModule, partition: Partition, placement: Placement,
@@ -122,7 +125,8 @@ class StageCheckpoints:
         """Every rank reads only its own tensors by name (optimizer states only when ``fitting``); returns the rest
         (``meta.pt``) and this rank's error-feedback buffers."""
         self._note_ties(partition)
-        meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=bool(weights_only))
+        # None: torch's default (weights only, since torch 2.6), as Lightning and FSDP load
+        meta = torch.load(path / ckpt.META_FILE, map_location="cpu", weights_only=weights_only)
         saved = ckpt.saved_model_keys(path)
         if module.strict_loading:
             ckpt.check_model_keys(saved, list(partition.state_stage), path)

@@ -444,7 +444,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         feedback = rooms.feedback_state(self.executor, placement)
         if self.options.state_dict_type == "full":
             with checkpoint_hooks.plain_forwards(self.runner), stage_setup.whole_buffers(module, placement):
-                rooms.complete_full(checkpoint, feedback, placement, module)
+                rooms.complete_full(checkpoint, feedback, placement, module, filepath)
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         path = Path(self.broadcast(str(filepath)))

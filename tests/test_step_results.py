@@ -2,17 +2,91 @@
 
 One 3-stage run with Lightning's defaults (checkpointing, logger, progress bar) and a module that logs with
 ``sync_dist=True``; every rank counts the collectives it enters inside each training step. The same launch then
-trains again with ``autotune=True``.
+trains again with ``autotune=True``. First, in one process: the results' byte layout carries everything
+``self.log`` records, refuses what it cannot carry, and never unpickles.
 """
 
+import inspect
 import json
 import math
+import pickle
 
+import lightning.pytorch as pl
 import pytest
+import torch
+import torchmetrics
 
 from conftest import launch_forked
+from lightning_clapping.comm.results_layout import OPTION_NAMES
+from lightning_clapping.comm.step_results import pack_results, unpack_results
+from lightning_clapping.comm.wire import WireError
+from lightning_clapping.log_relay import LogRelay
 
 STAGES, STEPS = 3, 8
+
+
+class _Logging(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.acc = torchmetrics.MeanMetric()
+
+
+def _relayed(log_calls):
+    """What the last stage sends for these ``self.log`` calls (two micro-batches of 4 samples each)."""
+    module = _Logging()
+    relay = LogRelay(module)
+    for _ in range(2):
+        with relay.capture(4):
+            log_calls(module)
+    return relay.to_wire(relay.combined())
+
+
+def test_everything_self_log_records_comes_back_from_the_results_bytes():
+    def calls(m):
+        m.log("loss", torch.tensor(0.5), prog_bar=True, reduce_fx="sum")
+        m.log("peak", 2, on_step=True, on_epoch=False, reduce_fx=torch.max, sync_dist=True)
+        m.log("lr", 1e-3, logger=False, rank_zero_only=True, add_dataloader_idx=False, batch_size=3)
+        m.log("low", 0.25, reduce_fx=min, enable_graph=True, logger=None)
+        m.acc(torch.tensor([1.0, 2.0]))
+        m.log("acc", m.acc, on_epoch=True)
+
+    wire = _relayed(calls)
+    assert [r[0] for r in wire] == ["loss", "peak", "lr", "low", "acc"] and wire[-1][3] is not None
+    fingerprint = (0, 12345, 2**64 - 1)
+    assert unpack_results(pack_results(0.125, wire, fingerprint)) == (0.125, wire, fingerprint)
+    assert unpack_results(pack_results(None, [], None)) == (None, [], None)
+
+
+def test_the_layout_knows_every_keyword_of_self_log():
+    keywords = set(inspect.signature(pl.LightningModule.log).parameters) - {"self", "name", "value"}
+    assert set(OPTION_NAMES) == keywords
+
+
+def test_a_value_or_option_the_layout_cannot_carry_is_refused_with_its_log_key():
+    with pytest.raises(TypeError, match=r"self.log\('median', ...\): the option reduce_fx=.* cannot be sent"):
+        pack_results(0.0, _relayed(lambda m: m.log("median", 1.0, reduce_fx=torch.median)), None)
+    with pytest.raises(TypeError, match=r"self.log\('odd', ...\): a value of type complex cannot be sent"):
+        pack_results(0.0, [("odd", 1j, {}, None)], None)
+
+
+_RAN = []
+
+
+def _ran():
+    _RAN.append(True)
+    return "ran"
+
+
+class _Crafted:
+    def __reduce__(self):
+        return _ran, ()
+
+
+def test_a_pickle_riding_as_step_results_is_refused_and_never_run():
+    blob = pickle.dumps((0.0, _Crafted(), None))
+    with pytest.raises(WireError, match="step results: not step results of this version"):
+        unpack_results(blob)
+    assert _RAN == []
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ sharded folders use parameter names.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -203,12 +205,74 @@ def stage_positions(state_dict: dict[str, Any], names: list[str], alias: dict[st
 
 
 # ------------------------------------------------------------------------------------------------ sharded folders
-def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any] | None) -> None:
-    """Collective: every rank writes its ``tensors`` (nested dicts); ``meta`` (rank 0's) goes to ``meta.pt``."""
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=path)
+def save_sharded(path: Path, tensors: dict[str, Any], meta: dict[str, Any] | None, device: torch.device) -> None:
+    """Collective: every rank writes its ``tensors`` (nested dicts); ``meta`` (global rank 0's) goes to ``meta.pt``.
+
+    Everything is written into a hidden sibling folder first (``.<name>.saving``), which rank 0 renames into place
+    once every rank has written (``dcp.save`` returns on rank 0 only then) and ``meta.pt`` is in it. So whatever was
+    at ``path`` (a full checkpoint file, an older sharded folder) stays intact until the new folder is complete; an
+    interrupted save leaves only the sibling, which the next save removes."""
+    staging = claim_path(path, sharded=True, device=device)
+    staging.mkdir(parents=True, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=staging)
     if meta is not None:
-        torch.save(meta, path / META_FILE)
+        torch.save(meta, staging / META_FILE)
+        _put_in_place(staging, path)
+
+
+def claim_path(path: Path, sharded: bool, device: torch.device) -> Path:
+    """Collective over every rank, before a checkpoint is written at ``path``; returns the folder to write a
+    sharded one into (see :func:`save_sharded`).
+
+    Global rank 0 looks at what is there and prepares it; the others learn its verdict from one broadcast, which
+    also orders rank 0's removals before anyone writes. A file, a link or a checkpoint folder (``meta.pt`` or
+    ``torch.distributed.checkpoint`` metadata in it) is replaced: a full save removes a sharded folder (the file
+    is then written as Lightning writes it), a sharded save renames it away only once the new one is complete. A
+    folder holding anything else is refused on every rank, before any tensor is written."""
+    staging = _sibling(path, "saving")
+    refused = 0
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        is_dir = path.is_dir() and not path.is_symlink()
+        refused = int(is_dir and not is_sharded_checkpoint(path) and not (path / ".metadata").is_file()
+                      and any(path.iterdir()))
+        if not refused:
+            _remove(staging)
+            _remove(_sibling(path, "replaced"))
+            if is_dir and not sharded:
+                _remove(path)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        verdict = torch.tensor([refused], dtype=torch.int64, device=device)
+        dist.broadcast(verdict, src=0)
+        refused = int(verdict.item())
+    if refused:
+        raise FileExistsError(
+            f"cannot save a checkpoint at {str(path)!r}: a folder that is not a checkpoint is there (a checkpoint "
+            "file or a sharded checkpoint folder would be replaced). Remove it, or save to another path."
+        )
+    return staging
+
+
+def _sibling(path: Path, what: str) -> Path:
+    """The hidden sibling of ``path`` a save uses (its name never matches ``last*.ckpt``, which resuming looks for)."""
+    return path.with_name(f".{path.name}.{what}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _put_in_place(new: Path, path: Path) -> None:
+    """Rename ``new`` to ``path``; what was there is renamed away first and deleted after (a folder cannot be
+    renamed onto a file or onto a folder that is not empty)."""
+    aside = _sibling(path, "replaced")
+    if os.path.lexists(path):
+        _remove(aside)
+        os.replace(path, aside)
+    os.replace(new, path)
+    _remove(aside)
 
 
 def saved_model_keys(path: Path) -> set[str]:
@@ -277,6 +341,7 @@ __all__ = [
     "META_FILE",
     "STATE_DICT_TYPES",
     "check_model_keys",
+    "claim_path",
     "gather_to_zero",
     "is_sharded_checkpoint",
     "load_sharded_entries",

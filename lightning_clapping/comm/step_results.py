@@ -18,23 +18,26 @@
 from __future__ import annotations
 
 import math
-import pickle
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_clapping.comm import results_layout
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.pipeline.executor import StepStats
 
 
 def pack_results(loss: float | None, logs: Any, fingerprint: tuple[int, ...] | None) -> bytes:
-    return pickle.dumps((loss, logs, fingerprint), protocol=pickle.HIGHEST_PROTOCOL)
+    """The step's results in the fixed layout of :mod:`~lightning_clapping.comm.results_layout` (no pickle); a
+    logged value that the layout cannot carry is refused with its log key."""
+    return results_layout.pack(loss, logs, fingerprint)
 
 
 def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[int, ...] | None]:
-    loss, logs, fingerprint = pickle.loads(blob)
-    return loss, logs, fingerprint
+    """(loss, log records, fingerprint) from :func:`pack_results`' bytes; anything malformed raises
+    :class:`~lightning_clapping.comm.wire.WireError`."""
+    return results_layout.unpack(blob)
 
 
 class ByteStats:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from lightning_clapping.codecs import Codec
 from lightning_clapping.comm.p2p import P2PQueue
+from lightning_clapping.comm.wire import WireError, decode_payload
 from lightning_clapping.pipeline.partition import TiedGroup
 
 #: tags of the tied messages: ``TAG_BASE + group index`` (the pipeline's own tags are below 4_000_000)
@@ -124,9 +125,13 @@ class TiedGradients:
     def _decode(self, payload: Tensor, like: Tensor, step: int, index: int, stage: int) -> Tensor:
         if self.codec is None:
             return payload
-        if bool(payload[-1]):  # the member's gradient was not finite
+        where, flag = f"tied tensor {self.groups[index].keys[0]!r} from stage {stage}", int(payload[-1])
+        if flag not in (0, 1):
+            raise WireError(f"{where}: the finite flag is {flag}, not 0 or 1")
+        if flag:  # the member's gradient was not finite
             return torch.full_like(like, float("nan"))
-        return self.codec.decode(payload[:-1], like.shape, like.dtype, seed=_seed(step, index, stage))
+        return decode_payload(self.codec, payload[:-1], like.shape, like.dtype, seed=_seed(step, index, stage),
+                              where=where)
 
     def _exchange(self, ops: list[dist.P2POp]) -> None:
         queue = P2PQueue(ordered=True, timeout=self.timeout)

@@ -34,9 +34,12 @@ import math
 import struct
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
+
+from lightning_clapping.codecs.bitpack import unpack_bits
+from lightning_clapping.codecs.sparse import TopKCodec
 
 MAGIC = b"CL"
 VERSION = 1
@@ -69,6 +72,8 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _DTYPES.append(getattr(torch, _name))
 DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+#: the dtypes a message can carry, by their code on the wire
+DTYPES: tuple[torch.dtype, ...] = tuple(_DTYPES)
 
 
 class WireError(RuntimeError):
@@ -268,3 +273,97 @@ def results_of(parts: list[Part], where: str) -> bytes:
     if part.dtype != torch.uint8 or part.shape != (len(raw),) or not 0 <= length <= len(raw) - _LENGTH.size:
         raise WireError(f"{where}: malformed step results ({len(raw)} bytes announcing {length})")
     return raw[_LENGTH.size : _LENGTH.size + length]
+
+
+# ------------------------------------------------------------------------------------------ decoding what arrived
+#: what a codec or a rule may raise on bytes that passed the checks below but still make no sense to it; the
+#: decode entry points turn these into WireError
+_DECODE_ERRORS = (RuntimeError, ValueError, IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError)
+FORM_NAMES = {RAW: "RAW", CODEC: "CODEC", FULL: "FULL", SKIP: "SKIP", ATTACHMENT: "ATTACHMENT"}
+
+
+def check_codec_payload(codec: Any, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+                        where: str | None = None, indices: bool | None = None) -> None:
+    """Raise :class:`WireError` unless ``payload`` is what ``codec`` makes of a tensor of ``shape`` and ``dtype``: a
+    floating dtype, exactly :meth:`~lightning_clapping.codecs.Codec.payload_nbytes` bytes, and (``indices``) for
+    ``topk`` flat indices inside the tensor.
+
+    An index past the end makes the decoder write out of bounds: on an accelerator a device-side assert that ends
+    the process, so ``indices=None`` checks them there; on the CPU an IndexError, which the decode entry points
+    turn into a WireError, so the check (a second unpacking of the indices, some 15-40% of a topk decode) is left
+    out there."""
+    if indices is None:
+        indices = payload.device.type != "cpu"
+    what = f"{codec.name} payload for shape {tuple(shape)} {dtype}"
+    if not dtype.is_floating_point:
+        _fail(f"{what}: a codec payload stands for a floating tensor", where)
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        _fail(f"{what}: a payload is 1-D torch.uint8, got {payload.dtype} of shape {tuple(payload.shape)}", where)
+    try:
+        expected = codec.payload_nbytes(shape, dtype)
+    except _DECODE_ERRORS as err:
+        _fail(f"{what}: the codec cannot size it ({err})", where)
+    if payload.numel() != expected:
+        _fail(f"{what}: {payload.numel()} bytes, the codec makes {expected}", where)
+    if indices and isinstance(codec, TopKCodec):
+        n = math.prod(shape)
+        k = codec.count(n)
+        if k:
+            index = unpack_bits(payload[codec.values_nbytes(k):], k, max(n - 1, 0).bit_length())
+            top = int(index.max())
+            if top >= n:
+                _fail(f"{what}: flat index {top} is past the tensor's {n} values", where)
+
+
+def decode_payload(codec: Any, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *, seed: int,
+                   where: str | None = None) -> torch.Tensor:
+    """The tensor a codec payload that arrived from a peer stands for. Checked first
+    (:func:`check_codec_payload`); anything malformed raises :class:`WireError` naming the codec and ``where``."""
+    check_codec_payload(codec, payload, shape, dtype, where)
+    try:
+        return codec.decode(payload, torch.Size(shape), dtype, seed=seed)
+    except _DECODE_ERRORS as err:
+        _fail(f"{codec.name} payload for shape {tuple(shape)} {dtype} could not be decoded ({err})", where)
+
+
+def decode_message(rule: Any, slot: int, parts: list[Part], ctx: Any, where: str | None = None) -> list[torch.Tensor]:
+    """The tensors of a data message's ``parts`` (from :func:`unpack`, results removed), decoded by ``rule`` (the
+    receiving :class:`~lightning_clapping.codecs.feedback.MessageRule`) for micro-batch ``slot`` of the step
+    ``ctx``: the one way a received message becomes tensors.
+
+    Before the rule sees them, every part is checked against what the rule can have sent: its wire form (a form the
+    rule's variant uses for a tensor of that dtype and flags), its payload length (the raw size for RAW and FULL,
+    nothing for SKIP, the codec's size for CODEC, see :func:`check_codec_payload`), the buffer a SKIP keeps and, for
+    AQ-SGD, one row per sample id. What the rule or its codec still raises is re-raised as :class:`WireError`
+    naming the message and its parts' forms."""
+    codec = rule._codec(ctx)
+    ids = ctx.sample_ids[slot] if rule.kind == "per-sample" and ctx.sample_ids is not None else None
+    for k, p in enumerate(parts):
+        at = f"part {k} of {len(parts)} ({FORM_NAMES.get(p.codec, p.codec)})"
+        n = math.prod(p.shape)
+        if p.codec in (RAW, FULL) and p.payload.numel() != n * p.dtype.itemsize:
+            _fail(f"{at}: {p.payload.numel()} bytes for shape {p.shape} of {p.dtype} ({n * p.dtype.itemsize})", where)
+        if p.codec == SKIP:
+            buf = rule.buffers.get(rule.key(slot, k, ctx))
+            if p.payload.numel() or buf is None or tuple(buf.shape) != p.shape or buf.dtype != p.dtype:
+                _fail(f"{at}: a skipped tensor has no payload and keeps a buffer of its shape and dtype (payload "
+                      f"{p.payload.numel()} bytes, buffer {None if buf is None else (tuple(buf.shape), buf.dtype)}, "
+                      f"sent {p.shape} {p.dtype})", where)
+        if p.codec == CODEC:
+            check_codec_payload(codec, p.payload, p.shape, p.dtype, f"{where}: {at}" if where else at)
+        try:
+            compressible = rule.compressible(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.flags)
+        except _DECODE_ERRORS as err:  # a shape whose bytes overflow
+            _fail(f"{at}: shape {p.shape} of {p.dtype} ({err})", where)
+        forms = {"raw": (RAW,), "direct": (CODEC,), "per-sample": (FULL, CODEC),
+                 "feedback": (FULL, CODEC, SKIP)}[rule.kind] if compressible else (RAW,)
+        if p.codec not in forms:
+            _fail(f"{at}: the {rule.variant} rule sends this {p.dtype} tensor (flags {p.flags}) as "
+                  f"{' or '.join(FORM_NAMES[f] for f in forms)}", where)
+        if ids is not None and p.codec != RAW and (not p.shape or p.shape[0] != len(ids)):
+            _fail(f"{at}: shape {p.shape} for a micro-batch of {len(ids)} sample ids", where)
+    try:
+        return rule.decode(slot, parts, ctx)
+    except _DECODE_ERRORS as err:
+        forms = ", ".join(FORM_NAMES.get(p.codec, str(p.codec)) for p in parts)
+        _fail(f"parts ({forms}) could not be decoded by the {rule.variant} rule ({type(err).__name__}: {err})", where)

@@ -387,7 +387,7 @@ class PipelineExecutor:
         parts = wire.unpack(msg, known_codecs=known, where=where)
         if with_results:
             self.results = wire.results_of(parts, where)
-        return list(zip(rule.decode(j, parts, ctx), [p.flags for p in parts]))
+        return list(zip(wire.decode_message(rule, j, parts, ctx, where), [p.flags for p in parts]))
 
     def _finish(self) -> None:
         """Wait for every operation of the step; refuse a message that was produced but never sent."""
