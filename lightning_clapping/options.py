@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from lightning_clapping.autotune.choose import DEFAULT_TOLERANCE
+from lightning_clapping.autotune.frontier import DEFAULT_QUALITY_TOLERANCE, check_tolerance
 from lightning_clapping.checkpoint.state import STATE_DICT_TYPES
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import check_variant
@@ -26,6 +29,47 @@ from lightning_clapping.pipeline.recompute import check_policy
 from lightning_clapping.pipeline.schedule import SCHEDULES
 
 _FEEDBACK_VARIANTS = ("ef21", "clapping-fc", "clapping-fu")
+
+
+@dataclass(frozen=True)
+class AutotuneSettings:
+    """What ``autotune=`` asks for beyond on/off: the frontier rule (published settings where the links need them),
+    its quality tolerance per unit of the published deficits, and the step rule's tolerance (see
+    :mod:`lightning_clapping.autotune.choose`)."""
+
+    frontier: bool = False
+    #: deficit allowed per unit: ``"points"`` (accuracy points lost), ``"%"`` (per cent added to the validation loss)
+    quality: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_QUALITY_TOLERANCE))
+    step_tolerance: float = DEFAULT_TOLERANCE
+
+    #: the keys ``autotune={...}`` takes, and the unit of the quality tolerance each sets
+    KEYS = {"frontier": None, "accuracy_points": "points", "loss_percent": "%", "step_tolerance": None}
+
+    @classmethod
+    def check(cls, value: Any) -> tuple[bool, AutotuneSettings]:
+        """``(on, settings)`` from ``autotune=``: False / None, True, ``"frontier"`` or a dict of :attr:`KEYS`."""
+        if value is None or isinstance(value, bool):
+            return bool(value), cls()
+        if isinstance(value, str) and value.lower() == "frontier":
+            return True, cls(frontier=True)
+        if not isinstance(value, Mapping) or not set(value) <= set(cls.KEYS):
+            raise ValueError(f"autotune is True, False, 'frontier' (also choose among the published settings within "
+                             f"the quality tolerance) or a dict with keys {sorted(cls.KEYS)}, e.g. {{'frontier': "
+                             f"True, 'accuracy_points': 0.5, 'loss_percent': 1.0}}; got {value!r}")
+        step = value.get("step_tolerance", DEFAULT_TOLERANCE)
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 <= step < math.inf:
+            raise ValueError(f"autotune step_tolerance is a number >= 0 (0.05: within 5 % of the fastest predicted "
+                             f"step), got {step!r}")
+        quality = {unit: value[k] for k, unit in cls.KEYS.items() if unit and k in value}
+        for k, unit in cls.KEYS.items():
+            x = value.get(k, 0.0) if unit else 0.0
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf:
+                raise ValueError(f"autotune {k} is the deficit the frontier rule allows, a number >= 0, got {x!r}")
+        frontier = value.get("frontier", False)
+        if not isinstance(frontier, bool) or (quality and not frontier):
+            raise ValueError(f"autotune: accuracy_points and loss_percent are the frontier rule's tolerance: give "
+                             f"them with 'frontier': True (a bool), got {value!r}")
+        return True, cls(frontier=frontier, quality=check_tolerance(quality), step_tolerance=float(step))
 
 
 @dataclass
@@ -65,11 +109,12 @@ class ClappingOptions:
     pretrained: dict[str, str] | None = None
     #: replica groups that drop out and rejoin (lightning_clapping.ft); None: off
     fault_tolerance: Any = None
+    autotune_settings: AutotuneSettings = field(default_factory=AutotuneSettings)
 
     @classmethod
     def check(cls, *, split_points: list[str] | None, stages: int | None, ddp_comm_hook: Any, ddp_comm_state: Any,
               microbatches: int, schedule: str, variant: str, forward_codec: Any, backward_codec: Any,
-              fresh_codec: Any, autotune: bool, compress_eval: bool, warm_start: bool, lazy_messages: float | None,
+              fresh_codec: Any, autotune: Any, compress_eval: bool, warm_start: bool, lazy_messages: float | None,
               max_skips: int, sample_store_dtype: torch.dtype | None, freeze_rng: bool,
               process_group_backend: str | None, timeout: timedelta, liveness: timedelta | None,
               prepost_receives: bool | None, log_bytes: bool, state_dict_type: str, start_method: str,
@@ -91,6 +136,7 @@ class ClappingOptions:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         if not isinstance(schedule, str) or schedule.lower() not in (*SCHEDULES, "auto"):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)} or 'auto'")
+        autotune, tune_settings = AutotuneSettings.check(autotune)
         if schedule.lower() == "auto" and not autotune:
             raise ValueError("schedule='auto' lets autotune choose the schedule: pass autotune=True with it (and a "
                              "compressed variant), or name the schedule ('1f1b' or 'gpipe')")
@@ -126,7 +172,8 @@ class ClappingOptions:
             split_points=split_points, stages=stages, ddp_comm_hook=ddp_comm_hook, ddp_comm_state=ddp_comm_state,
             microbatches=microbatches, schedule="1f1b" if auto else schedule.lower(), schedule_auto=auto,
             variant=variant, forward_codec=forward_codec, backward_codec=backward_codec, fresh_codec=fresh,
-            autotune=bool(autotune), compress_eval=compress_eval, warm_start=warm_start, lazy_messages=lazy_messages,
+            autotune=autotune, autotune_settings=tune_settings, compress_eval=compress_eval, warm_start=warm_start,
+            lazy_messages=lazy_messages,
             max_skips=max_skips, sample_store_dtype=sample_store_dtype, freeze_rng=freeze_rng,
             process_group_backend=process_group_backend, timeout=timeout, liveness=liveness,
             prepost_receives=prepost_receives, log_bytes=log_bytes, state_dict_type=state_dict_type,

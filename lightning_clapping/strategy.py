@@ -102,13 +102,13 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
             ``"ef21"``: Clapping-FU sends a fresh step with it instead of in full precision, Clapping-FC and EF21
             compress a fresh step's difference with it instead of the direction's codec. ``None`` (default): as
             without it.
-        autotune: after the second training step, measure each boundary's link (one-way delay, bandwidth of each
-            direction, with timed probe messages between neighbours), the stages' compute time and the codecs' work
-            on the real messages, and give every boundary and direction the least lossy setting, from uncompressed
-            up to the codec given above, that keeps the step the timing model predicts for the schedule (compute,
-            transfers, delays) within 5 % of the fastest (see :mod:`lightning_clapping.autotune.choose`). Rank 0 decides,
-            every rank follows; the choice is printed, logged (``autotune/...``), kept for the rest of the run and saved in checkpoints.
-            Needs a compressed ``variant``.
+        autotune: ``True``: after the second step, measure every link (delay, bandwidth each way), the compute and
+            the codecs' work, and give each boundary and direction the least lossy setting from uncompressed down to
+            its codec above (never beyond; a boundary a codec map leaves uncompressed stays so) whose predicted step
+            (fresh steps priced) is within 5 % of the fastest. ``"frontier"``: on links too slow for that, also the
+            published settings of this variant and p within 1 accuracy point / 2 % loss (a dict: ``frontier``,
+            ``accuracy_points``, ``loss_percent``, ``step_tolerance``): :mod:`lightning_clapping.autotune.choose`.
+            Rank 0 decides, all follow; the choice is printed, logged (``autotune/...``), checkpointed; compressed only.
         compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
         warm_start: send the first message of each slot (and after a shape change) in full precision.
         lazy_messages: skip a reuse-step message while the last difference sent on its slot was smaller than this
@@ -147,12 +147,12 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         ddp_comm_hook: Any = None,
         ddp_comm_state: Any = None,
         microbatches: int = 4,
-        schedule: Literal["1f1b", "gpipe"] = "1f1b",
+        schedule: Literal["1f1b", "gpipe", "auto"] = "1f1b",
         variant: str = "uncompressed",
         forward_codec: Any = "q4",
         backward_codec: Any = "q8",
         fresh_codec: Any = None,
-        autotune: bool = False,
+        autotune: bool | Literal["frontier"] | dict[str, Any] = False,
         compress_eval: bool = False,
         warm_start: bool = True,
         lazy_messages: float | None = None,

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_clapping.autotune import tune as autotune
 from lightning_clapping.codecs.feedback import MessageRule
 from lightning_clapping.comm.placement import Placement
+from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.options import ClappingOptions
 from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
 from lightning_clapping.pipeline.schedule import SCHEDULES, get_schedule
@@ -43,8 +44,10 @@ class Tuning:
         codec = o.forward_codec if direction == "fwd" else o.backward_codec
         if isinstance(codec, dict):
             codec = codec.get(boundary)
+        fresh = o.fresh_codec
         if training and self.choices is not None and boundary in self.choices:
             variant, codec = self.choices[boundary].rule(direction)
+            fresh = self.choices[boundary].fresh_codec(direction, o.fresh_codec)  # what autotune priced
             if variant == "uncompressed":
                 codec = "identity"
         elif codec is None:  # a boundary the user left uncompressed
@@ -55,7 +58,7 @@ class Tuning:
             variant = o.variant
         return MessageRule(variant, codec, boundary, direction, warm_start=o.warm_start,
                            store_dtype=o.sample_store_dtype, lazy_threshold=o.lazy_messages,
-                           max_skips=o.max_skips, fresh_codec=o.fresh_codec)
+                           max_skips=o.max_skips, fresh_codec=fresh)
 
     def after_train_step(self, stats: StepStats, num_microbatches: int, executor: PipelineExecutor,
                          placement: Placement, module: pl.LightningModule) -> None:
@@ -68,12 +71,17 @@ class Tuning:
     def _run(self, executor: PipelineExecutor, placement: Placement, module: pl.LightningModule, compute_s: float,
              num_microbatches: int) -> None:
         """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
-        o = self.options
-        tops = {d: None if isinstance(c, dict) else c.name  # a per-boundary map: the default ladder
-                for d, c in (("fwd", o.forward_codec), ("bwd", o.backward_codec))}
-        choices, every = autotune.tune_pipeline(placement, executor.sent_specs, compute_s, o.variant, tops,
-                                                timeout=o.timeout, schedules=self.schedule_candidates(),
-                                                num_microbatches=num_microbatches)
+        o, trainer, tune = self.options, module.trainer, self.options.autotune_settings
+        lazy = find_lazy_loader(trainer)
+        p = 1.0 if lazy is None else float(lazy.p)
+        first = autotune.first_visit_fraction(  # batches: this run's so far, an epoch's, the whole run's
+            p, self.train_steps, trainer.num_training_batches,
+            trainer.estimated_stepping_batches * trainer.accumulate_grad_batches) if o.variant == "aqsgd" else 0.0
+        choices, every = autotune.tune_pipeline(
+            placement, executor.sent_specs, compute_s, o.variant, {"fwd": o.forward_codec, "bwd": o.backward_codec},
+            timeout=o.timeout, schedules=self.schedule_candidates(), num_microbatches=num_microbatches,
+            fresh_codec=o.fresh_codec, p=p, first_visits=first, frontier=tune.quality if tune.frontier else None,
+            tolerance=tune.step_tolerance)
         if placement.num_replicas > 1:  # every replica probed its own links; all follow replica 0's choice
             box = [[c.to_wire() for c in choices.values()]]
             dist.broadcast_object_list(box, 0)

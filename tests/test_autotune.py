@@ -22,16 +22,20 @@ import torch.distributed as dist
 from lightning_clapping.autotune.choose import (
     DEFAULT_CANDIDATES,
     Choice,
+    boundary_ladders,
     choose,
     choose_pipeline,
     describe,
+    fresh_steps,
     ladder,
     log_values,
 )
+from lightning_clapping.autotune.frontier import admissible, load_table
+from lightning_clapping.autotune.ladders import first_visit_fraction
 from lightning_clapping.autotune.messages import UNCOMPRESSED, message_bytes
 from lightning_clapping.autotune.probe import LinkMeasure, codec_times, probe_boundaries, probe_link, probe_plan
 from lightning_clapping.autotune.tune import agree
-from conftest import run_gloo_ranks
+from conftest import launch_forked, run_gloo_ranks
 from lightning_clapping.comm.wire import message_nbytes
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import MessageRule
@@ -171,7 +175,8 @@ def test_full_precision_messages_of_a_variant_count_against_it():
     assert choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.0, **fu)[0].forward == "bf16"
     assert choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.6, **fu)[0].forward == "q8"
     assert choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.7, **fu)[0].forward == "q4"
-    both = choose({0: link(100)}, COMPUTE, shapes(0), full_fraction={"fwd": 0.7, "bwd": 0.0}, **fu)[0]
+    both = choose({0: link(100)}, COMPUTE, shapes(0), full_fraction=0.7, fresh={"fwd": UNCOMPRESSED, "bwd": None},
+                  **fu)[0]
     assert (both.forward, both.backward) == ("q4", "bf16")
 
 
@@ -281,6 +286,276 @@ def test_codec_times_are_measured_on_the_message_and_the_sender_does_more_work()
         sender, receiver = times[setting]
         assert 0 < receiver < sender < 1.0, (setting, times[setting])
     assert codec_times([((8,), torch.int64)], ("q4",)) == {"q4": (0.0, 0.0)}  # nothing to compress
+
+
+# ------------------------------------------------------------------------- the user's map, fresh steps, the frontier
+TWO = {"schedule": "1f1b", "num_microbatches": 1}  # 2 stages, 1 micro-batch: a step is easy to play by hand
+
+
+def test_a_boundary_mapped_to_none_keeps_a_single_uncompressed_rung_and_the_others_end_at_the_users_codec():
+    ladders = boundary_ladders(3, {"fwd": {1: "q8", 2: get_codec("q4")}, "bwd": {1: "q8", 2: None}})
+    assert ladders[0] == {"fwd": (UNCOMPRESSED,), "bwd": (UNCOMPRESSED,)}  # left out of both maps
+    assert ladders[1] == {"fwd": (UNCOMPRESSED, "bf16", "q8"), "bwd": (UNCOMPRESSED, "bf16", "q8")}
+    assert ladders[2] == {"fwd": (UNCOMPRESSED, "bf16", "q8", "q4"), "bwd": (UNCOMPRESSED,)}
+    assert boundary_ladders(2, {"fwd": "q8", "bwd": None})[1] == {"fwd": ladder("fwd", "q8"), "bwd": ladder("bwd")}
+    # links too slow for anything but the most lossy rung: each direction takes the last rung of its own ladder
+    slow = {b: link(1, 25) for b in range(3)}
+    c = choose(slow, [CYCLE] * 4, shapes(0, 1, 2), ladders, variant="clapping-fc")
+    assert settings(c) == {0: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED), 1: ("clapping-fc", "q8", "q8"),
+                           2: ("clapping-fc", "q4", UNCOMPRESSED)}
+    c = choose(slow, [CYCLE] * 4, shapes(0, 1, 2), ladders, variant="clapping-fc", **STEP)  # the step rule
+    assert all(c[b].setting(d) in ladders[b][d] for b in range(3) for d in ("fwd", "bwd"))
+    assert settings(c)[0] == (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED) and c[1].compressed
+
+
+def test_fresh_steps_and_the_fresh_codec_are_priced_as_a_hand_computation_gives():
+    # 2 stages, 1 micro-batch, 1F1B, no codec work: a step is F0, forward transfer, F1, B1, backward transfer, B0,
+    # that is 2 x compute + 2 x delay + both transfers. clapping-fu with p = 0.4 and fresh_codec q8 sends q8 both ways
+    # on 40 % of the steps and q4 / bf16 on the others: the step the model predicts is the mean of the two steps
+    bw, delay, p = 25 * MBIT, 0.010, 0.4
+    ladders = {"fwd": ("q4",), "bwd": ("bf16",)}
+    f, fresh = fresh_steps("clapping-fu", "q8", p)
+    assert (f, fresh) == (p, {"fwd": "q8", "bwd": "q8"})
+    c = choose({0: LinkMeasure(delay, bw)}, COMPUTE, shapes(0), ladders, variant="clapping-fu", full_fraction=f,
+               fresh=fresh, **TWO)[0]
+    q4, q8, bf16 = (message_bytes(ACT, s) for s in ("q4", "q8", "bf16"))
+    usual = 2 * COMPUTE + 2 * delay + (q4 + bf16) / bw
+    fresh_step = 2 * COMPUTE + 2 * delay + (q8 + q8) / bw
+    assert c.step_s == pytest.approx((1 - p) * usual + p * fresh_step, rel=1e-12)
+    assert c.forward_s == pytest.approx(((1 - p) * q4 + p * q8) / bw, rel=1e-12)
+    assert c.backward_s == pytest.approx(((1 - p) * bf16 + p * q8) / bw, rel=1e-12)
+    assert (c.forward_fresh, c.backward_fresh, c.full_fraction) == ("q8", "q8", p)
+    # without a fresh codec clapping-fu sends its fresh steps in full precision
+    f, fresh = fresh_steps("clapping-fu", None, p)
+    c = choose({0: LinkMeasure(delay, bw)}, COMPUTE, shapes(0), ladders, variant="clapping-fu", full_fraction=f,
+               fresh=fresh, **TWO)[0]
+    full = message_bytes(ACT, UNCOMPRESSED)
+    assert c.step_s == pytest.approx((1 - p) * usual + p * (2 * COMPUTE + 2 * delay + 2 * full / bw), rel=1e-12)
+    assert c.fresh_codec("fwd") is None  # MessageRule(fresh_codec=None): full precision
+    # AQ-SGD: the first visits go in full forward only; clapping-fc without a fresh codec has no fresh form
+    f, fresh = fresh_steps("aqsgd", None, 1.0, first_visits=0.25)
+    c = choose({0: LinkMeasure(delay, bw)}, COMPUTE, shapes(0), ladders, variant="aqsgd", full_fraction=f,
+               fresh=fresh, **TWO)[0]
+    assert c.step_s == pytest.approx(0.75 * usual + 0.25 * (2 * COMPUTE + 2 * delay + (full + bf16) / bw), rel=1e-12)
+    c = choose({0: LinkMeasure(delay, bw)}, COMPUTE, shapes(0), ladders, variant="clapping-fc",
+               **dict(zip(("full_fraction", "fresh"), fresh_steps("clapping-fc", None, 0.5))), **TWO)[0]
+    assert c.step_s == pytest.approx(usual, rel=1e-12)
+
+
+def test_aqsgds_first_visits_are_the_first_epochs_fresh_steps_over_the_rest_of_the_run():
+    assert first_visit_fraction(1.0, 2, 10, 40) == pytest.approx(8 / 38)  # 8 first-epoch steps of the 38 left
+    assert first_visit_fraction(0.5, 2, 10, 40) == pytest.approx(0.5 * 8 / 38)  # lazy sampling: its fresh steps
+    assert first_visit_fraction(1.0, 2, 100, 40) == 1.0  # the run ends inside its first epoch
+    assert first_visit_fraction(1.0, 12, 10, 40) == 0.0  # past the first epoch
+    assert first_visit_fraction(1.0, 2, 10, math.inf) == 0.0 and first_visit_fraction(0.5, 2, math.inf, 9) == 0.5
+
+
+def test_a_relaxed_codec_lifts_a_more_lossy_fresh_codec_and_the_strategys_rule_sends_what_was_priced():
+    from lightning_clapping import ClappingStrategy
+
+    f, fresh = fresh_steps("clapping-fu", "q4", 0.5)  # fresh steps more lossy than the q8 the user gave
+    ladders = {"fwd": ladder("fwd", "q8"), "bwd": ladder("bwd", "q8")}
+    fast = choose({0: link(100)}, COMPUTE, shapes(0), ladders, variant="clapping-fu", full_fraction=f,
+                  fresh=fresh)[0]
+    slow = choose({0: link(1)}, COMPUTE, shapes(0), ladders, variant="clapping-fu", full_fraction=f, fresh=fresh)[0]
+    assert (fast.forward, fast.forward_fresh, fast.fresh_codec("fwd")) == ("bf16", "bf16", "bf16")  # relaxed
+    assert (slow.forward, slow.forward_fresh, slow.fresh_codec("fwd")) == ("q8", "q4", "q4")  # as the user gave
+    assert fast.forward_s == pytest.approx(message_bytes(ACT, "bf16") / (100 * MBIT))
+    strategy = ClappingStrategy(variant="clapping-fu", forward_codec="q8", backward_codec="q8", fresh_codec="q4",
+                                autotune=True)
+    strategy._tuning.choices = {0: fast}
+    rule = strategy._tuning.make_rule(0, "fwd", training=True)
+    assert (rule.variant, rule.codec.name, rule.fresh_codec.name) == ("clapping-fu", "bf16", "bf16")
+    strategy._tuning.choices = {0: Choice.from_wire(fast.to_wire()[:15])}  # saved before fresh forms: as configured
+    assert strategy._tuning.make_rule(0, "fwd", training=True).fresh_codec.name == "q4"
+
+
+def _frontier_table(deficits: dict[str, tuple[float, float]]) -> dict:
+    """A table like frontier.json: clapping-fc p=0.5 settings with these (Fashion-MNIST points, Shakespeare %)."""
+    codecs = {"fine": ("q8", "q8"), "coarse": ("q2", "q4"), "sparse": ("topk:0.1+q4", "topk:0.1+q4")}
+    return {"format": 1, "tasks": {"fashion_mnist": {"unit": "points"}, "shakespeare": {"unit": "%"}},
+            "settings": [{"config": name, "variant": "clapping-fc", "p": 0.5, "fwd": codecs[name][0],
+                          "bwd": codecs[name][1], "fresh": None,
+                          "deficit": {"fashion_mnist": pts, "shakespeare": pct}} for name, (pts, pct) in
+                         deficits.items()]}
+
+
+def test_the_frontier_rule_takes_a_published_setting_within_the_quality_tolerance_only_where_links_need_it():
+    table = _frontier_table({"fine": (0.1, 0.2), "coarse": (0.9, 1.0), "sparse": (3.0, 0.5)})
+    within = admissible("clapping-fc", 0.5, table=table)  # default tolerance: 1 point, 2 %
+    assert [s.config for s in within] == ["fine", "coarse"]  # sparse loses 3 points
+    assert admissible("clapping-fc", 0.25, table=table) == [] and admissible("ef21", 0.5, table=table) == []
+    assert [s.config for s in admissible("clapping-fc", 0.5, {"points": 5.0}, table=table)] == [
+        "fine", "coarse", "sparse"]
+    user = {"fwd": ladder("fwd", "q8"), "bwd": ladder("bwd", "q8")}  # the user's q8 tops both ladders
+    kw = {"variant": "clapping-fc", "codec_s": CODEC, **STEP}
+
+    def run(measures, settings):
+        return choose(measures, [CYCLE] * 4, shapes(0, 1, 2), user, frontier=settings, **kw)
+
+    # 10 Mbit/s: q8 is all the ladders allow; the published coarse q2/q4 is faster, and within the tolerance
+    slow = {b: link(10, 25) for b in range(3)}
+    chosen = run(slow, within)
+    assert {(c.forward, c.backward, c.frontier) for c in chosen.values()} == {("q2", "q4", "coarse")}
+    assert chosen[0].step_s < run(slow, ())[0].step_s / 1.05
+    # sparse would be faster still, but it is out of the tolerance; admitted, it is taken
+    wider = admissible("clapping-fc", 0.5, {"points": 5.0}, table)
+    assert {c.frontier for c in run(slow, wider).values()} == {"sparse"}
+    # a fast link: the ladders' choice is kept
+    fast = {b: link(10_000, 0.05) for b in range(3)}
+    assert run(fast, within) == run(fast, ())
+    # a mixed cluster: only the slow boundary takes the published setting
+    mixed = run({0: link(10_000, 0.05), 1: link(10, 25), 2: link(10_000, 0.05)}, within)
+    assert settings(mixed) == {0: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED), 1: ("clapping-fc", "q2", "q4"),
+                               2: (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED)}
+    assert "frontier rule" in describe(mixed, {b: link(10, 25) for b in range(3)})
+    # a boundary the user left uncompressed stays so under the frontier rule too, however slow its link
+    mapped = choose({0: link(10, 25), 1: link(0.5, 25), 2: link(10, 25)}, [CYCLE] * 4, shapes(0, 1, 2),
+                    boundary_ladders(3, {"fwd": {1: "q8"}, "bwd": {1: "q8"}}),
+                    frontier=within, **kw)
+    assert settings(mapped)[0] == settings(mapped)[2] == (UNCOMPRESSED, UNCOMPRESSED, UNCOMPRESSED)
+    assert settings(mapped)[1] == ("clapping-fc", "q2", "q4")
+    with pytest.raises(ValueError, match="frontier rule prices whole steps"):
+        choose(slow, [CYCLE] * 4, shapes(0, 1, 2), user, frontier=within, variant="clapping-fc")
+
+
+def test_the_packaged_frontier_table_is_the_one_the_committed_results_give():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import frontier_table
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "quality.json").read_text())
+    assert load_table() == frontier_table.build(results), "stale: run python benchmarks/frontier_table.py"
+    assert {(s["variant"], s["fwd"], s["bwd"]) for s in load_table()["settings"]} >= {("direct", "q4", "q8")}
+
+
+def test_autotune_options_say_what_is_wrong():
+    from lightning_clapping import ClappingStrategy
+
+    s = ClappingStrategy(variant="clapping-fu", autotune={"frontier": True, "accuracy_points": 0.5}).options
+    assert s.autotune and s.autotune_settings.frontier and s.autotune_settings.quality == {"points": 0.5, "%": 2.0}
+    assert ClappingStrategy(variant="direct", autotune="frontier").options.autotune_settings.frontier
+    assert not ClappingStrategy(variant="direct", autotune=True).options.autotune_settings.frontier
+    for bad, message in (("fast", "autotune is True, False, 'frontier'"), ({"accuracy_points": 1.0}, "frontier"),
+                         ({"frontier": True, "loss_percent": -1}, "loss_percent"),
+                         ({"frontier": True, "step_tolerance": "5%"}, "step_tolerance")):
+        with pytest.raises(ValueError, match=message):
+            ClappingStrategy(variant="direct", autotune=bad)
+
+
+def test_lightning_cli_takes_schedule_auto_and_the_autotune_options(tmp_path, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    from _models import SequentialMLP
+
+    config = tmp_path / "config.yaml"
+    config.write_text("""trainer:
+  accelerator: cpu
+  devices: 2
+  logger: false
+  strategy:
+    class_path: lightning_clapping.ClappingStrategy
+    init_args:
+      split_points: [net.4]
+      variant: clapping-fc
+      schedule: auto
+      autotune:
+        frontier: true
+        loss_percent: 1.5
+""")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    cli = LightningCLI(SequentialMLP, run=False, args=["--config", str(config)])
+    options = cli.trainer.strategy.options
+    assert (options.schedule, options.schedule_auto, options.autotune) == ("1f1b", True, True)
+    assert options.autotune_settings.frontier and options.autotune_settings.quality["%"] == 1.5
+    cli = LightningCLI(SequentialMLP, run=False, args=[
+        "--config", str(config), "--trainer.strategy.init_args.autotune", "true"])
+    assert cli.trainer.strategy.options.autotune and not cli.trainer.strategy.options.autotune_settings.frontier
+
+
+# ------------------------------------------------------------------------- the same promises through a real run
+#: what the probes report in the runs below (the pipeline itself runs on loopback): slow, and slower at boundary 1
+SLOW = {0: LinkMeasure(0.010, 1 * MBIT), 1: LinkMeasure(0.010, 0.2 * MBIT)}
+MLP_ACT = [((16, 32), torch.float32)]  # SequentialMLP's activation of one micro-batch: batch 32, 2 micro-batches
+
+
+def _fit_on_slow_links(out: str) -> None:
+    """Forked ranks: 3-stage clapping-fu fits of 4 steps (lazy sampling at p = 0.5), the codecs given for boundary 1
+    only, with the link probes reporting :data:`SLOW`; once with the ladders, once with the frontier rule (every
+    published setting admitted). Writes what autotune chose and the rules built from it."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from _models import SequentialMLP, classification_data
+    from lightning_clapping import ClappingStrategy, LazySamplingDataModule
+    from lightning_clapping.autotune import tune
+
+    tune.probe_boundaries = lambda stage, num_stages, *args, **kwargs: {
+        b: SLOW[b] for b, _, _ in probe_plan(stage, num_stages)}
+    for run, autotune in (("ladders", True), ("frontier", {"frontier": True, "accuracy_points": 100.0,
+                                                            "loss_percent": 100.0})):
+        torch.manual_seed(0)
+        x, y = classification_data(n=128, seed=1)
+        strategy = ClappingStrategy(split_points=["net.2", "net.4"], microbatches=2, variant="clapping-fu",
+                                    forward_codec={1: "q8"}, backward_codec={1: "q8"}, autotune=autotune)
+        trainer = L.Trainer(accelerator="cpu", devices=3, max_steps=4, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+                            strategy=strategy)
+        trainer.fit(SequentialMLP(), datamodule=LazySamplingDataModule(DataLoader(TensorDataset(x, y), batch_size=32)))
+        rules = {f"{b}{d}": [r.variant, r.codec.name, r.fresh_codec and r.fresh_codec.name]
+                 for b in (0, 1) for d in ("fwd", "bwd") for r in [strategy._tuning.make_rule(b, d, training=True)]}
+        choices = {b: c.to_wire() for b, c in strategy._tuning.choices.items()}
+        Path(out, f"{run}_rank{trainer.global_rank}.json").write_text(json.dumps({"choices": choices, "rules": rules}))
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("autotune_slow")
+    launch_forked(_fit_on_slow_links, str(out), ranks=3, cwd=out, timeout=300)
+    runs = {}
+    for run in ("ladders", "frontier"):
+        ranks = [json.loads((out / f"{run}_rank{r}.json").read_text()) for r in range(3)]
+        assert all(r == ranks[0] for r in ranks)  # every rank follows the same choice
+        runs[run] = ({int(b): Choice.from_wire(w) for b, w in ranks[0]["choices"].items()}, ranks[0]["rules"])
+    return runs
+
+
+def test_a_real_run_keeps_a_boundary_mapped_to_none_uncompressed_and_never_goes_beyond_the_users_codec(slow_runs):
+    for run in ("ladders", "frontier"):
+        choices, rules = slow_runs[run]
+        assert (choices[0].variant, choices[0].forward, choices[0].backward) == ("uncompressed",) * 3, run
+        assert rules["0fwd"][0] == rules["0bwd"][0] == "uncompressed"
+    choices, rules = slow_runs["ladders"]
+    c = choices[1]
+    assert c.forward in ladder("fwd", "q8") and c.backward in ladder("bwd", "q8") and c.compressed
+    assert rules["1fwd"][:2] == list(c.rule("fwd")) and rules["1bwd"][:2] == list(c.rule("bwd"))
+
+
+def test_a_real_run_prices_clapping_fus_full_precision_fresh_steps_at_the_samplers_p(slow_runs):
+    c = slow_runs["ladders"][0][1]
+    assert message_bytes(MLP_ACT, c.forward) == c.forward_bytes  # the message autotune priced
+    assert (c.full_fraction, c.forward_fresh, c.backward_fresh) == (0.5, UNCOMPRESSED, UNCOMPRESSED)
+    full = message_bytes(MLP_ACT, UNCOMPRESSED)
+    assert c.forward_s == pytest.approx((0.5 * c.forward_bytes + 0.5 * full) / SLOW[1].bandwidth("fwd"), rel=1e-9)
+    assert slow_runs["ladders"][1]["1fwd"][2] is None  # fresh steps in full precision, as priced
+
+
+def test_a_real_run_with_the_frontier_rule_takes_a_published_setting_on_slow_links(slow_runs):
+    choices, rules = slow_runs["frontier"]
+    c = choices[1]
+    published = {s["config"]: s for s in load_table()["settings"]}
+    assert c.frontier in published, c
+    setting = published[c.frontier]
+    assert (setting["variant"], setting["p"]) == ("clapping-fu", 0.5)
+    published_directions = 0
+    for d in ("fwd", "bwd"):  # the published codecs (and fresh codec), or the ladders' where the link allows
+        if c.setting(d) == setting[d]:
+            published_directions += 1
+            assert rules[f"1{d}"] == ["clapping-fu", setting[d], setting["fresh"]]
+        else:
+            assert c.setting(d) in ladder(d, "q8") and rules[f"1{d}"] == ["clapping-fu", c.setting(d), None]
+    assert published_directions >= 1
+    assert c.step_s < slow_runs["ladders"][0][1].step_s / 1.05
 
 
 # ------------------------------------------------------------------------------------------------- probe plan

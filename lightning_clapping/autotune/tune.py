@@ -15,14 +15,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_clapping.autotune.choose import Choice, choose_pipeline, describe, ladder, log_values
-from lightning_clapping.autotune.messages import DIRECTIONS, UNCOMPRESSED, CodecTimes, MessageShapes, TensorSpec
+from lightning_clapping.autotune.choose import DEFAULT_TOLERANCE, Choice, choose_pipeline, describe, log_values
+from lightning_clapping.autotune.frontier import FrontierSetting, admissible
+from lightning_clapping.autotune.ladders import boundary_ladders, first_visit_fraction, fresh_steps
+from lightning_clapping.autotune.messages import UNCOMPRESSED, CodecTimes, MessageShapes, TensorSpec
 from lightning_clapping.autotune.messages import message_bytes, spec_of
 from lightning_clapping.autotune.probe import Group, LinkMeasure, ProbeError, codec_times, probe_boundaries
 from lightning_clapping.comm.placement import Placement
 
 #: what the strategy uses: the entry point, and what renders its result
-__all__ = ["Choice", "LinkMeasure", "agree", "describe", "log_values", "tune_pipeline"]
+__all__ = ["Choice", "LinkMeasure", "agree", "describe", "first_visit_fraction", "log_values", "tune_pipeline"]
 
 
 def agree(
@@ -107,6 +109,12 @@ def tune_pipeline(
     timeout: timedelta | None = None,
     schedules: Sequence[str] = (),
     num_microbatches: int | None = None,
+    *,
+    fresh_codec: Any = None,
+    p: float = 1.0,
+    first_visits: float = 0.0,
+    frontier: Mapping[str, float] | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
 ) -> tuple[dict[int, Choice], dict[int, LinkMeasure]]:
     """What one pipeline rank does to autotune, between two steps (every rank at once): probe its boundaries with
     their real uncompressed message size, time the candidate codecs on the messages it sends, then :func:`agree`
@@ -115,8 +123,13 @@ def tune_pipeline(
 
     ``placement``: this rank's stage and its replica's ranks; the agreement runs over its pipeline group, and the
     replica's last stage decides. ``sent_specs``: what this rank sent in the last step, by the executor's rule name
-    (``"fwd_out"``: boundary ``stage``, ``"bwd_out"``: boundary ``stage - 1``); ``user_codecs``: the top of each
-    direction's ladder (``{"fwd": "q4", "bwd": "q8"}``, None: the default ladder).
+    (``"fwd_out"``: boundary ``stage``, ``"bwd_out"``: boundary ``stage - 1``); ``user_codecs``: the codecs the user
+    configured, ``{"fwd": codec or {boundary: codec or None}, "bwd": ...}`` (each boundary's ladder ends at its
+    codec, a boundary mapped to None stays uncompressed: :func:`~.ladders.boundary_ladders`; None: the default
+    ladder). ``fresh_codec``, ``p`` (the lazy sampler's, 1.0 without one) and ``first_visits`` (AQ-SGD's share of
+    steps with never-seen samples) say what fresh steps send (:func:`~.ladders.fresh_steps`); ``frontier``: the
+    quality tolerance ``{unit: deficit}`` of the frontier rule (:func:`~.frontier.admissible`), None: ladders only;
+    ``tolerance``: the step rule's.
     """
     stage, num_stages = placement.stage, placement.num_stages
     shapes: dict[int, dict[str, Sequence[TensorSpec]]] = {}
@@ -128,8 +141,25 @@ def tune_pipeline(
     probe_bytes = {stage - 1: 0, stage: message_bytes(sent_specs["fwd_out"], UNCOMPRESSED)
                    if "fwd_out" in sent_specs else 0}
     measures = probe_boundaries(stage, num_stages, placement.rank_of_stage, probe_bytes, timeout=timeout)
-    candidates = {d: ladder(d, user_codecs.get(d)) for d in DIRECTIONS}
-    timed = {b: {d: codec_times(specs, candidates[d]) for d, specs in dirs.items()} for b, dirs in shapes.items()}
-    extra = {"schedules": tuple(schedules), "num_microbatches": num_microbatches} if schedules else {}
-    return agree(stage, num_stages, measures, compute_s, shapes, variant=variant, candidates=candidates,
-                 group=placement.pp_group, src=placement.last_rank, codec_s=timed, **extra)
+    ladders = boundary_ladders(num_stages - 1, user_codecs)
+    fraction, fresh = fresh_steps(variant, fresh_codec, p, first_visits)
+    published = admissible(variant, p, frontier) if frontier is not None and schedules else []
+    timed = {b: {d: codec_times(specs, settings_to_time(variant, ladders[b][d], fresh[d], published, d))
+                 for d, specs in dirs.items()} for b, dirs in shapes.items()}
+    extra = {"schedules": tuple(schedules), "num_microbatches": num_microbatches, "frontier": published} \
+        if schedules else {}
+    return agree(stage, num_stages, measures, compute_s, shapes, variant=variant, candidates=ladders,
+                 full_fraction=fraction, fresh=fresh, tolerance=tolerance, group=placement.pp_group,
+                 src=placement.last_rank, codec_s=timed, **extra)
+
+
+def settings_to_time(variant: str, rungs: Sequence[str], fresh: str | None, published: Sequence[FrontierSetting],
+                     direction: str) -> list[str]:
+    """Every setting the step rule may price for one direction: the ladder's rungs, the fresh form, and the
+    published settings' codecs (a direction whose ladder is only "uncompressed" stays so)."""
+    if tuple(rungs) == (UNCOMPRESSED,):
+        return [UNCOMPRESSED]
+    extra = [fresh]
+    for s in published:
+        extra += [s.setting(direction), fresh_steps(variant, s.fresh)[1][direction]]
+    return list(dict.fromkeys([*rungs, *(x for x in extra if x is not None)]))

@@ -1,0 +1,84 @@
+"""Write the table of published quality that autotune's frontier rule reads (package data) from the committed results.
+
+    python benchmarks/frontier_table.py            # rewrites lightning_clapping/autotune/frontier.json
+    python benchmarks/frontier_table.py --check    # exit 1 when the packaged table is not what the results give
+
+Source: ``benchmarks/results/quality.json`` (``quality.py``, BENCHMARKS section 1). For every compressed setting
+measured there (variant, lazy-sampling p, forward / backward / fresh-step codecs) the table keeps, per task, its
+quality deficit against uncompressed training (accuracy points lost, or % added to the validation loss: what
+BENCHMARKS calls the deficit), its byte ratio, its number of seeds and whether it lies on that task's frontier. Run it
+whenever quality.json changes; tests/test_autotune.py fails while the two disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "quality.json"
+TABLE = ROOT / "lightning_clapping" / "autotune" / "frontier.json"
+FORMAT = 1
+
+
+def build(results: dict[str, Any]) -> dict[str, Any]:
+    """The table for ``results`` (the parsed quality.json): plain JSON values, settings in the results' order."""
+    tasks = {}
+    for task, front in results["frontier"].items():
+        settings = results["mode_settings"]["tasks"].get(task, {})
+        tasks[task] = {"metric": results["tasks"][task]["metric"], "unit": front["unit"],
+                       "steps": settings.get("steps")}
+    on_frontier = {(task, row["config"]) for task, front in results["frontier"].items() for row in front["frontier"]}
+    rows: dict[str, dict[str, Any]] = {}
+    for agg in results["aggregates"]:
+        task, config = agg["task"], agg["label"]
+        if task not in tasks or agg["deficit_vs_uncompressed"] is None or (agg["fwd"] is None and agg["bwd"] is None):
+            continue  # uncompressed runs are the reference, not a setting to choose
+        row = rows.setdefault(config, {"config": config, "variant": agg["variant"], "p": float(agg["p"]),
+                                       "fwd": agg["fwd"], "bwd": agg["bwd"], "fresh": agg["fresh"],
+                                       "deficit": {}, "bytes_ratio": {}, "seeds": {}, "frontier": []})
+        if (row["variant"], row["p"], row["fwd"], row["bwd"], row["fresh"]) != (
+                agg["variant"], float(agg["p"]), agg["fwd"], agg["bwd"], agg["fresh"]):
+            raise ValueError(f"{config!r} names two different settings in {RESULTS.name}")
+        row["deficit"][task] = float(agg["deficit_vs_uncompressed"])
+        row["bytes_ratio"][task] = float(agg["bytes_ratio"])
+        row["seeds"][task] = int(agg["seeds"])
+        if (task, config) in on_frontier:
+            row["frontier"].append(task)
+    order = {name: i for i, name in enumerate(results.get("config_order", []))}
+    return {
+        "format": FORMAT,
+        "about": "published quality per setting, read by autotune's frontier rule; written by "
+                 "benchmarks/frontier_table.py from benchmarks/results/quality.json",
+        "source": "benchmarks/results/quality.json",
+        "mode": results["mode"],
+        "tasks": tasks,
+        "settings": sorted(rows.values(), key=lambda r: (order.get(r["config"], len(order)), r["config"])),
+    }
+
+
+def render(table: dict[str, Any]) -> str:
+    return json.dumps(table, indent=1) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=TABLE)
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the table is stale")
+    args = parser.parse_args(argv)
+    text = render(build(json.loads(args.results.read_text())))
+    if args.check:
+        same = args.out.is_file() and args.out.read_text() == text
+        print(f"{args.out}: {'up to date' if same else 'stale: run python benchmarks/frontier_table.py'}")
+        return 0 if same else 1
+    args.out.write_text(text)
+    print(f"wrote {args.out} ({len(json.loads(text)['settings'])} settings)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
