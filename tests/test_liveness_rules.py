@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch.distributed as dist
@@ -57,15 +58,18 @@ class _Holds:
 
 
 class _Proxy:
-    """One rank's connection to the store: logs (time, rank, call, key) and waits on ``holds`` first."""
+    """One rank's connection to the store: logs (time, rank, call, key) and waits on ``holds`` first. ``clone()``
+    hands out ``spares``, opened beforehand: opening a connection can hold up the store's server for seconds here
+    (where the connecting host's name cannot be looked up), which would read as a store that stopped answering."""
 
-    def __init__(self, inner, rank: int, log: list, holds: _Holds, conn: int = 0, clones: list | None = None):
+    def __init__(self, inner, rank: int, log: list, holds: _Holds, spares: list, conn: int = 0):
         self._inner, self.rank, self._log, self._holds, self.conn = inner, rank, log, holds, conn
-        self._clones = clones if clones is not None else [0]
+        self._spares = spares
 
     def clone(self) -> _Proxy:
-        self._clones[0] += 1  # 1: the watchdog's own connection, 2: its probe's
-        return _Proxy(self._inner.clone(), self.rank, self._log, self._holds, self._clones[0], self._clones)
+        inner = self._spares.pop(0) if self._spares else self._inner.clone()
+        conn = 3 - len(self._spares) - 1  # 1: the watchdog's own connection, 2: its probe's
+        return _Proxy(inner, self.rank, self._log, self._holds, self._spares, conn)
 
     def __getattr__(self, name: str):
         fn = getattr(self._inner, name)
@@ -87,7 +91,8 @@ class _Ranks:
         self.master = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
         self.log: list = []
         self.holds = _Holds()
-        self.stores = [_Proxy(self.master.clone(), r, self.log, self.holds) for r in range(n)]
+        self.stores = [_Proxy(self.master.clone(), r, self.log, self.holds, [self.master.clone(), self.master.clone()])
+                       for r in range(n)]
         self.watchdogs: list[Watchdog] = []
 
     def start(self, *, bounds: dict[int, float] | None = None, **kwargs) -> list[Watchdog]:
@@ -95,8 +100,8 @@ class _Ranks:
         for r in range(n):
             bound = (bounds or {}).get(r, kwargs.get("bound"))
             self.watchdogs.append(Watchdog(self.stores[r], r, n, may_exit=False, **{**kwargs, "bound": bound}))
-        for wd in self.watchdogs:
-            wd.start()
+        with ThreadPoolExecutor(4) as pool:  # nearly at once, as the processes of a group do once it exists
+            list(pool.map(lambda wd: wd.start(), self.watchdogs))
         return self.watchdogs
 
     def declared(self, by: int) -> list[int]:
@@ -161,7 +166,7 @@ def test_heartbeats_make_a_constant_number_of_store_calls_per_rank():
 
 def test_ranks_that_stop_together_are_all_found_within_the_bound():
     # ranks 2, 3 and 4 stop at once (as the ranks of one host): rank 0 reads them all, and declares them all
-    bound = 0.8
+    bound = 1.5
     with _ranks(6) as ranks:
         ranks.start(interval=0.1, bound=bound, store_rank=None)
         time.sleep(0.6)
@@ -179,7 +184,7 @@ def test_ranks_that_stop_together_are_all_found_within_the_bound():
 def test_a_stopped_lowest_rank_is_found_by_all_and_the_next_reads_the_others():
     # rank 0 (which reads everyone) and rank 3 stop together: every other rank declares 0 within the bound; rank 1
     # takes over the reading and declares 3 within two bounds
-    bound = 0.8
+    bound = 1.5
     with _ranks(5) as ranks:
         wds = ranks.start(interval=0.1, bound=bound, store_rank=None)
         time.sleep(0.6)
@@ -192,7 +197,7 @@ def test_a_stopped_lowest_rank_is_found_by_all_and_the_next_reads_the_others():
 
 
 def test_a_finished_rank_is_not_declared_and_the_next_takes_over_its_reading():
-    bound = 0.8
+    bound = 1.5
     with _ranks(4) as ranks:
         wds = ranks.start(interval=0.1, bound=bound, store_rank=None)
         time.sleep(0.5)
@@ -208,24 +213,24 @@ def test_a_finished_rank_is_not_declared_and_the_next_takes_over_its_reading():
 
 
 def test_a_store_slow_for_every_rank_is_not_taken_for_a_hung_peer():
-    # every call waits 1 s (more than the bound), and rank 1's heartbeat lands 0.4 s after the others' calls return:
-    # rank 0 saw rank 1's beat stand still for 1.4 s, but only 0.4 s of it while the store answered
-    bound = 0.6
+    # every call waits 3 s (twice the bound), and rank 1's heartbeat lands 0.5 s after the others' calls return:
+    # rank 0 saw rank 1's beat stand still for 3.5 s, but only 0.5 s of it while the store answered
+    bound = 1.5
     with _ranks(2) as ranks:
         ranks.start(interval=0.1, bound=bound, store_rank=None)
         time.sleep(0.5)
         now = time.monotonic()
-        ranks.holds.until.update({0: now + 1.0, 1: now + 1.4})
-        time.sleep(1.4 + 2 * bound)
+        ranks.holds.until.update({0: now + 3.0, 1: now + 3.5})
+        time.sleep(3.5 + bound)
         assert ranks.declared(0) == [] and ranks.declared(1) == []
 
 
 def test_one_stuck_call_on_the_store_is_not_taken_for_a_hung_store_host():
     # rank 1's own connection stops answering for 3 x the bound (a lost packet, a stuck connection), while the store
     # answers a probe on a second connection: rank 0, which serves the store, is not declared
-    bound = 0.6
+    bound = 1.0
     with _ranks(2) as ranks:
-        ranks.start(interval=0.1, bound=bound, bounds={0: 10.0}, store_rank=0)  # rank 0 sees rank 1 go silent
+        ranks.start(interval=0.1, bound=bound, bounds={0: 30.0}, store_rank=0)  # rank 0 sees rank 1 go silent
         time.sleep(0.5)
         ranks.holds.until[(1, 1)] = time.monotonic() + 3 * bound
         time.sleep(3 * bound + 0.5)
@@ -376,7 +381,7 @@ def test_a_rank_0_that_does_not_hold_the_stores_socket_is_not_its_host():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
-    for store, expected in ((master.clone(), 0), (_OtherPort(master.clone(), free), None)):
+    for store, expected in ((master, 0), (_OtherPort(master, free), None)):
         wd = Watchdog(store, 0, 2, interval=0.1, bound=1.0, store_rank=0).start()
         try:
             assert wd.store_rank == expected

@@ -9,14 +9,14 @@ news counter, and reads heartbeats: the lowest unfinished rank reads every other
 only (:mod:`lightning_clapping.comm.liveness_watch`). That is three store calls per rank and interval, O(N) in all.
 A peer is declared hung when two reads of its beat ``bound`` seconds apart on this rank's own monotonic clock (the
 hosts' clocks never need to agree) show the same number, counted from the end of the read that first saw it to the
-start of the latest one, so a slow store call is never taken for the peer's silence, and less the time by which this
-rank's own calls took longer than ``bound / 8`` meanwhile (the store was slow for everyone); a gap of ``bound / 2``
-in this rank's own threads (Ctrl-Z of the whole group, a suspended machine, swapping) restarts the timers. A
-declaration is published in the store, and every rank acts on it. How the store is reached without being blocked by
-it, how a store whose host hangs is told from a slow call, and the key layout:
-:mod:`lightning_clapping.comm.liveness_store`. A store call that *fails* (connection refused or reset) means rank 0's process, which serves the store, has ended:
-not a hang; the watchdog winds down, and a rank other than 0 that still runs ``bound`` seconds later ends itself
-(see 4. below), unless rank 0 had finished normally (the others then wind down without another store call).
+start of the latest one, so a slow store call is never taken for the peer's silence; a gap of ``bound / 2`` in this
+rank's own heartbeat thread (Ctrl-Z of the whole group, a suspended machine, swapping, or a store call that kept it
+waiting: the store was slow for every rank) restarts the timers. A declaration is published in the store, and every
+rank acts on it. How the store is reached without being blocked by it, how a store whose host hangs is told from a
+slow call, and the key layout: :mod:`lightning_clapping.comm.liveness_store`. A store call that *fails* (connection
+refused or reset) means rank 0's process, which serves the store, has ended: not a hang; the watchdog winds down,
+and a rank other than 0 that still runs ``bound`` seconds later ends itself (see 4. below), unless rank 0 had
+finished normally (the others then wind down without another store call).
 
 For a hung peer, a rank
 
@@ -238,6 +238,11 @@ class Watchdog:
         """The peers whose heartbeat this rank reads now (all when it is the lowest unfinished rank, else that one)."""
         return sorted(self._watching.watches)
 
+    @property
+    def longest_silence(self) -> float:
+        """The longest silence (seconds) this rank has measured so far: the margin a healthy run keeps to ``bound``."""
+        return self._watching.longest
+
     # ------------------------------------------------------------------ the store
     def _key(self, kind: str, rank: int | None = None) -> str:
         return self._store.key(kind, rank)
@@ -340,7 +345,7 @@ class Watchdog:
             host.info = None if raw is None else json.loads(raw)
             if host.info is not None and host.info.get("serves_store") is False:
                 self.store_rank = None
-        self._watching.step(self._read_beats, self._grace_at, lambda: self._store.stalled, self._declare)
+        self._watching.step(self._read_beats, self._grace_at, self._declare)
 
     def _read_beats(self, ranks: Sequence[int]) -> dict[int, str | None]:
         """The heartbeats of ``ranks``: those whose key exists in one ``multi_get``, the others checked first."""

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import signal
@@ -206,8 +207,14 @@ def _tcp_sockets(inodes: frozenset[str], state: str) -> dict[str, tuple[tuple[st
 def local_endpoints(inodes: frozenset[str]) -> list[tuple[str, int]]:
     """The local (ip, port) of this process's established TCP connections whose socket inodes are ``inodes``: what
     a peer needs to find, among its own connections, those to this process. Raises OSError or ValueError when
-    /proc cannot be read as expected."""
-    return sorted({tuple(local) for local, _ in _tcp_sockets(inodes, "01").values()})
+    /proc cannot be read as expected. Kept for the last few sets of inodes: reading /proc/net/tcp can take tens of
+    milliseconds on a host with many connections."""
+    return list(_endpoints_of(inodes))
+
+
+@functools.lru_cache(maxsize=4)
+def _endpoints_of(inodes: frozenset[str]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted({tuple(local) for local, _ in _tcp_sockets(inodes, "01").values()}))
 
 
 def listens_on(port: int) -> bool | None:

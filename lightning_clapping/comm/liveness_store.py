@@ -7,9 +7,9 @@ bound (the store's own timeout does not cover a server that accepted the connect
 measured on torch 2.13). So the watchdog talks to the store over a connection of its own (``store.clone()``), one
 call at a time, and notes when the call in progress began (:attr:`WatchdogStore.inflight_since`), for its store
 guard to see; a second connection carries a probe (:meth:`WatchdogStore.probe`), which tells a store that no longer
-answers from one call that is slow or stuck. The time by which a call took longer than ``bound / 8`` seconds is
-time the store was slow for every rank (:attr:`WatchdogStore.stalled` adds it up): it is not counted in a peer's
-silence, since the peer's heartbeat could not land either.
+answers from one call that is slow or stuck. A call that keeps the heartbeat thread waiting for ``bound / 2`` or more
+means the store was slow for every rank: the watchdog restarts its timers (as after any gap in its own threads)
+instead of blaming a peer whose heartbeat could not land either.
 
 Keys (the n-th watchdog started on a store uses ``clapping/liveness/{n}/...``; ``n`` from ``starts/{rank}``):
 ``info/{rank}`` (JSON: host, pid, start time, boot id, namespaces, stage), ``beat/{rank}`` (the beat number;
@@ -67,8 +67,6 @@ class WatchdogStore:
         self._probe_lock = threading.Lock()
         #: when the call in progress began (None: none is)
         self.inflight_since: float | None = None
-        #: seconds by which the calls so far took longer than ``bound / 8`` s, in all
-        self.stalled = 0.0
         self._probe_since: float | None = None
         self._decls_read: set[int] = set()
 
@@ -78,15 +76,13 @@ class WatchdogStore:
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(connection)``; a failure raises :class:`StoreGone`."""
         with self._lock:
-            began = self.inflight_since = time.monotonic()
+            self.inflight_since = time.monotonic()
             try:
                 return fn(self._conn)
             except Exception as err:
                 raise StoreGone(f"the process group's store failed: {type(err).__name__}: {err}") from err
             finally:
                 self.inflight_since = None
-                # the store was slow for everyone: no peer is blamed for that time
-                self.stalled += max(0.0, time.monotonic() - began - self.bound / 8)
 
     def bounded(self, fn: Callable[[Any], Any], limit: float = STORE_OP_LIMIT) -> Any:
         """:meth:`call` from a side thread, given up (None) after ``limit`` s: the store may be what hangs."""

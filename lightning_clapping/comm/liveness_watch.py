@@ -11,9 +11,8 @@ readers drop it, and when it was the watcher the next rank takes over at once.
 
 A peer is hung when two reads of its beat number ``bound`` seconds apart show the same number, counted from the
 *end* of the read that first saw it to the *start* of the latest read, so the time a slow store call takes is never
-counted as the peer's silence, and less the time this rank's own store calls were stalled meanwhile (the store was
-slow for the peer too); the watchdog moves ``grace`` forward (timers restart) when its own threads did not run for a
-while.
+counted as the peer's silence; the watchdog moves ``grace`` forward (timers restart) when its own heartbeat thread
+did not run for a while, which includes a store call that kept it waiting (the store was slow for every rank).
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ class Watch:
 
     value: int | None = None  # None: not read yet; ABSENT: its key does not exist yet
     changed_at: float = 0.0  # this rank's monotonic time at the end of the read that first saw ``value``
-    stalled_at: float = 0.0  # the store's stalled seconds (``stalled()``) then
 
 
 class Watching:
@@ -55,6 +53,7 @@ class Watching:
         self.peers = peers
         self.watches: dict[int, Watch] = {}
         self.beats = 0
+        self.longest = 0.0  # the longest silence measured so far (of a peer that then beat again, or was declared)
 
     def heartbeat(self) -> str:
         """This rank's next beat number, as text."""
@@ -68,18 +67,18 @@ class Watching:
         return [r for r in open_ if r != self.rank] if open_[0] == self.rank else [open_[0]]
 
     def step(self, read: Callable[[Sequence[int]], dict[int, str | None]], grace: float,
-             stalled: Callable[[], float], declare: Callable[[Peer, float], bool]) -> None:
+             declare: Callable[[Peer, float], bool]) -> None:
         """``read(ranks)`` their beats (text; None when absent); ``declare(peer, silent)`` those that have not moved
         for the bound (``declare`` returns False when the watchdog stops). ``grace``: silences count from there at
-        the earliest; ``stalled()``: the seconds this rank's store calls were stalled so far, never counted."""
+        the earliest."""
         for _ in range(self.world_size):  # once more at once when the watcher read here has just finished
             targets = self.targets()
             self.watches = {r: self.watches.get(r, Watch()) for r in targets}
             if not targets:
                 return
-            began, stalled_before = time.monotonic(), stalled()
+            began = time.monotonic()
             beats = read(targets)
-            ended, stalled_after = time.monotonic(), stalled()
+            ended = time.monotonic()
             watcher_done = False
             for rank in targets:
                 raw, watch = beats.get(rank), self.watches[rank]
@@ -89,9 +88,10 @@ class Watching:
                     continue
                 value = ABSENT if raw is None else int(raw)
                 if watch.value is None or value != watch.value:
-                    watch.value, watch.changed_at, watch.stalled_at = value, ended, stalled_after
+                    watch.value, watch.changed_at = value, ended
                     continue
-                silent = min(began - grace, began - watch.changed_at - (stalled_before - watch.stalled_at))
+                silent = began - max(watch.changed_at, grace)
+                self.longest = max(self.longest, silent)
                 if silent > self.bound and not declare(self.peers[rank], silent):
                     return
             if not watcher_done:
