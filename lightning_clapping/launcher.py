@@ -153,9 +153,8 @@ def _get(store: Any, key: str) -> str | None:
 def start_watchdog(placement: Placement, bound: timedelta) -> liveness.Watchdog:
     """This rank's heartbeat and the watch over the others' (``bound``: the silence after which one is hung)."""
     seconds = bound.total_seconds()
-    # under torchrun the store lives in the elastic agent, not in rank 0's process (torchrun says so in the environment)
-    elastic = store_outlives_processes()
+    # which rank serves the store (none under torchrun: its agent does) comes from the launcher's variables
     return liveness.Watchdog(
         _compat.default_store(), placement.global_rank, placement.num_ranks, stage_of_rank=placement.stage_of_rank,
-        interval=min(1.0, seconds / 8), bound=seconds, store_rank=None if elastic else 0,
+        interval=min(1.0, seconds / 8), bound=seconds, store_rank=liveness.store_rank_from_env(),
     ).start()

@@ -381,7 +381,7 @@ def test_whole_group_stopped_and_resumed_is_not_declared_hung(runs):
         ({"interval": 0.5, "bound": float("inf")}, "bound must be a positive number"),
         ({"interval": 0.5, "bound": 3.0, "rank": 3}, "rank must be an int in 0..2"),
         ({"interval": 0.5, "bound": 3.0, "stage_of_rank": [0, 1]}, "2 entries for 3 ranks"),
-        ({"interval": 0.5, "bound": 3.0, "store_rank": 5}, "store_rank must be None or an int"),
+        ({"interval": 0.5, "bound": 3.0, "store_rank": 5}, "store_rank must be None, .env. or an int"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, message):
