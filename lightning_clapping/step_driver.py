@@ -28,7 +28,7 @@ from lightning_clapping.codecs.feedback import StepContext
 from lightning_clapping.comm import failures
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.comm.replicas import GradientAverager
-from lightning_clapping.comm.step_results import ByteStats, pack_results, unpack_results
+from lightning_clapping.comm.step_results import ByteStats, broadcast_results, pack_results, unpack_results
 from lightning_clapping.comm.ties import TiedGradients
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.hooks import EPOCH_END_HOOKS, EpochEndHooks
@@ -248,10 +248,11 @@ class StepDriver:
         """Outside training steps: what the last stage logged reaches every rank with one broadcast."""
         placement = self.placement
         self._local_logs = self.relay.combined() if placement.is_last else None
-        box = [self.relay.to_wire(self._local_logs) if self._local_logs is not None else None]
-        if placement.num_stages > 1:
-            dist.broadcast_object_list(box, src=placement.last_rank, group=placement.pp_group)
-        self.relay.replay(box[0], self._local_logs, placement.device)
+        wire = self.relay.to_wire(self._local_logs) if self._local_logs is not None else None
+        if placement.num_stages > 1:  # in the step results' binary layout: nothing a peer sends is unpickled
+            blob = broadcast_results(None if wire is None else pack_results(None, wire, None), placement)
+            wire = unpack_results(blob)[1]
+        self.relay.replay(wire, self._local_logs, placement.device)
 
     def _log_step_stats(self, stats: StepStats, batch_size: int, info: Any) -> None:
         extra = {} if info is None else {"clapping/distinct_samples": info.distinct_samples,

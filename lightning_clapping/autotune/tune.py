@@ -140,11 +140,13 @@ def tune_pipeline(
     # the lower stage of a boundary sets its probe size: the boundary's uncompressed message of one micro-batch
     probe_bytes = {stage - 1: 0, stage: message_bytes(sent_specs["fwd_out"], UNCOMPRESSED)
                    if "fwd_out" in sent_specs else 0}
-    measures = probe_boundaries(stage, num_stages, placement.rank_of_stage, probe_bytes, timeout=timeout)
+    measures = probe_boundaries(stage, num_stages, placement.rank_of_stage, probe_bytes, timeout=timeout,
+                                device=placement.device)
     ladders = boundary_ladders(num_stages - 1, user_codecs)
     fraction, fresh = fresh_steps(variant, fresh_codec, p, first_visits)
     published = admissible(variant, p, frontier) if frontier is not None and schedules else []
-    timed = {b: {d: codec_times(specs, settings_to_time(variant, ladders[b][d], fresh[d], published, d))
+    timed = {b: {d: codec_times(specs, settings_to_time(variant, ladders[b][d], fresh[d], published, d),
+                                     device=placement.device)
                  for d, specs in dirs.items()} for b, dirs in shapes.items()}
     extra = {"schedules": tuple(schedules), "num_microbatches": num_microbatches, "frontier": published} \
         if schedules else {}

@@ -40,6 +40,19 @@ def unpack_results(blob: bytes) -> tuple[float | None, Any, tuple[int, ...] | No
     return results_layout.unpack(blob)
 
 
+def broadcast_results(blob: bytes | None, placement: Placement) -> bytes:
+    """``blob`` (:func:`pack_results`' bytes, on the replica's last stage; None elsewhere) on every stage of the
+    replica: its length, then its bytes, as tensors on the stage's device over ``pp_group`` (no pickle, legal
+    under NCCL). Every stage of the pipeline must call it."""
+    src, group, device = placement.last_rank, placement.pp_group, placement.device
+    size = torch.tensor([0 if blob is None else len(blob)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if blob is not None
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(data, src=src, group=group)
+    return blob if blob is not None else data.cpu().numpy().tobytes()
+
+
 class ByteStats:
     """Per-step byte numbers of every stage of this rank's pipeline replica, gathered off the critical path (see the
     module docstring) over the placement's ``pp_group``."""
