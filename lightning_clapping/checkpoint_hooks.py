@@ -66,15 +66,16 @@ class StageCheckpoints:
         if placement.replica != 0:
             return {}
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        local = ckpt.local_optimizer_state(optimizer, optimizer.state_dict())
+        names = ckpt.param_names(module, optimizer)
+        local = ckpt.state_by_name(ckpt.local_optimizer_state(optimizer, optimizer.state_dict()), names)
         if self.options.state_dict_type == "sharded":
-            return ckpt.state_by_name(local, ckpt.param_names(module, optimizer))
+            return local
+        # gathered and merged by name: positions are each stage's own and need not agree between stages
         parts = ckpt.gather_to_zero(local, placement.device, group=placement.pp_group)
         if parts is None:
             return {}
         # positions as one process has them: a tied tensor once (each stage lists its own copy apart)
-        names = ckpt.param_names(module, optimizer)
-        return ckpt.one_process_positions(ckpt.merge_optimizer_states(parts), names, self.tied_alias)
+        return ckpt.one_process_positions(ckpt.merge_optimizer_states(parts, names), names, self.tied_alias)
 
     def feedback_state(self, executor: PipelineExecutor | None, placement: Placement) -> dict[str, Any]:
         state = executor.feedback_state() if executor is not None else self.last_feedback

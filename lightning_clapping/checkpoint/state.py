@@ -135,13 +135,16 @@ def local_optimizer_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> d
     return local
 
 
-def merge_optimizer_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    state: dict[int, Any] = {}
+def merge_optimizer_states(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The stages' optimizer states, each keyed by parameter name (:func:`state_by_name`; a stage holds the state of
+    its own parameters), as one state dict by position in ``names`` (this rank's optimizer's parameter names), with
+    the first part's param groups. Merged by name: the stages need not list the parameters at the same positions (a
+    stage that holds no copy of a tied tensor may list it once, the stages holding copies list every copy)."""
+    state: dict[str, Any] = {}
     for part in parts:
         state.update(part.get("state", {}))
-    merged = dict(parts[0])
-    merged["state"] = dict(sorted(state.items()))
-    return merged
+    merged = state_by_position({**parts[0], "state": state}, names)
+    return {**merged, "state": dict(sorted(merged["state"].items()))}
 
 
 def state_by_name(state_dict: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -109,14 +109,18 @@ class StageRunner:
         """Move the parameters and buffers of other stages' units to the meta device (frees their memory).
 
         ``Module.to`` gives every module its own new parameter, which unties a tensor registered under two names;
-        the released ones are tied again (a tie between a released and a kept module stays cut: that is a tied
-        copy, see :class:`~lightning_clapping.pipeline.partition.TiedGroup`)."""
+        the released names of a tie inside one stage are tied again. A tie across stages stays cut on every stage,
+        also on one that holds none of its copies: each copy is a parameter of its own (see
+        :class:`~lightning_clapping.pipeline.partition.TiedGroup`), so every stage lists the same parameters, at the
+        same optimizer positions, whichever stage it is."""
         for name, stage in self.partition.unit_stage.items():
             if stage != self.stage and name in self.partition.stateful_units:
                 self._modules[name].to("meta")
         params = dict(self.module.named_parameters(remove_duplicate=False))
+        stage_of = self.partition.state_stage
         for alias, first in self.partition.aliases.items():
-            if params[alias].device.type == "meta" and params[first].device.type == "meta":
+            if (params[alias].device.type == "meta" and params[first].device.type == "meta"
+                    and stage_of.get(alias) == stage_of.get(first)):
                 owner, _, leaf = alias.rpartition(".")
                 setattr(self._modules[owner], leaf, params[first])
 
