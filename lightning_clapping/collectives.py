@@ -17,6 +17,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
 
 from lightning_clapping import _compat
+from lightning_clapping.comm import safe_objects
 
 
 class ReplicaCollectives:
@@ -46,11 +47,16 @@ class ReplicaCollectives:
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank, as JSON and raw tensor bytes: nothing a peer sends is unpickled.
+        Lightning broadcasts paths, strings and numbers; any tree of plain data, paths and tensors works. Another
+        object is refused on every rank with a ``TypeError`` naming its type (broadcast its fields instead)."""
         if not _compat.distributed_is_initialized():
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        try:
+            return safe_objects.broadcast(obj, src, device=self.root_device)
+        except TypeError as err:
+            raise TypeError(f"ClappingStrategy.broadcast sends plain data (dict, list, tuple, str, numbers, None, "
+                            f"paths, tensors) and never pickles: {err}. Broadcast the object's fields instead.") from None
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """``sync_dist=True`` reduces over data-parallel replicas, never over stages: every stage already holds its

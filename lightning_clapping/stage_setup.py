@@ -17,13 +17,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_clapping import _compat
 from lightning_clapping import precision
 from lightning_clapping.checkpoint.state import gather_to_zero, retie
+from lightning_clapping.comm import safe_objects
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.options import ClappingOptions
@@ -106,8 +106,7 @@ def check_same_cuts(partition: Partition, num_ranks: int) -> None:
     other split points, whose boundary tensors happen to have the same shapes, would train silently wrong)."""
     if num_ranks == 1:
         return
-    cuts: list[Any] = [None] * num_ranks
-    dist.all_gather_object(cuts, list(partition.cut_points))
+    cuts = safe_objects.all_gather(list(partition.cut_points))
     other = next((r for r, c in enumerate(cuts) if c != cuts[0]), None)
     if other is not None:
         raise ValueError(

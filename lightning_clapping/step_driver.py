@@ -19,13 +19,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_clapping import _compat, fault_tolerance, first_pass
 from lightning_clapping import precision
 from lightning_clapping.codecs.feedback import StepContext
-from lightning_clapping.comm import failures
+from lightning_clapping.comm import failures, safe_objects
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.comm.replicas import GradientAverager
 from lightning_clapping.comm.step_results import ByteStats, broadcast_results, pack_results, unpack_results
@@ -59,6 +59,7 @@ class StepDriver:
         self._lazy_checked = False
         self._lazy_loader: Any = None
         self._owners_settled = False
+        self._warned_predictions = False
         #: tensors tied across stages: their copies' gradients are summed every optimizer step (comm/ties.py)
         self.ties = TiedGradients(partition.tied, placement.stage, placement.rank_of_stage, placement.pp_group,
                                   placement.device, options.tied_codec, options.timeout) if partition.tied else None
@@ -168,10 +169,18 @@ class StepDriver:
         if hook != "predict_step":
             self.broadcast_logs()  # evaluation sends nothing backward for its results to ride on
         elif placement.num_stages > 1:
-            # every rank returns the predictions, as under DDP: scripts that use them run on every rank
-            box = [_compat.tree_map_tensors(lambda t: t.cpu(), merged)]
-            dist.broadcast_object_list(box, src=placement.last_rank, group=placement.pp_group)
-            merged = box[0] if self.executor.is_last else _compat.tree_map_tensors(lambda t: t.to(device), box[0])
+            # every rank returns the predictions, as under DDP: scripts that use them run on every rank. They travel
+            # as JSON and raw tensor bytes (never pickled); predictions holding other objects stay on the last stage
+            try:
+                shared = safe_objects.broadcast(merged, placement.last_rank, group=placement.pp_group)
+            except TypeError as err:
+                if not self._warned_predictions:
+                    rank_zero_warn(f"ClappingStrategy: predict_step's outputs are returned on the last stage only "
+                                   f"(the other stages get None): {err}")
+                    self._warned_predictions = True
+                shared = None
+            if not self.executor.is_last:
+                merged = None if shared is None else _compat.tree_map_tensors(lambda t: t.to(device), shared)
         return merged
 
     @staticmethod
@@ -216,7 +225,7 @@ class StepDriver:
     def _settling_shared_owners(self) -> Generator[None, None, None]:
         """At the first step: which stage uses each parameter that sits directly on a module spanning stages (such as
         ``self.pos = nn.Parameter(...)`` on the LightningModule)? That stage owns it (trains and saves it); the
-        others hold an unused copy. Two users are refused. One ``all_gather_object``, once."""
+        others hold an unused copy. Two users are refused. One all-gather of names (JSON), once."""
         if self._owners_settled or not self.partition.shared_params:
             yield
             return

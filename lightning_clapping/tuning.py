@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_clapping.autotune import tune as autotune
 from lightning_clapping.codecs.feedback import MessageRule
+from lightning_clapping.comm import safe_objects
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.options import ClappingOptions
@@ -83,9 +83,8 @@ class Tuning:
             fresh_codec=o.fresh_codec, p=p, first_visits=first, frontier=tune.quality if tune.frontier else None,
             tolerance=tune.step_tolerance)
         if placement.num_replicas > 1:  # every replica probed its own links; all follow replica 0's choice
-            box = [[c.to_wire() for c in choices.values()]]
-            dist.broadcast_object_list(box, 0)
-            choices = {w[0]: autotune.Choice.from_wire(w) for w in box[0]}
+            wires = safe_objects.broadcast([c.to_wire() for c in choices.values()], 0)
+            choices = {w[0]: autotune.Choice.from_wire(w) for w in wires}
         self.adopt(choices, executor)
         rank_zero_info("ClappingStrategy autotune (kept for the rest of the run):\n"
                        + autotune.describe(choices, every))

@@ -178,6 +178,15 @@ def _where() -> str:
     return outside or "?"
 
 
+def _called_from(part: str) -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if part in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class Contract:
     """One rank's records (see the module docstring); :meth:`install` it first thing in the rank's process."""
 
@@ -295,6 +304,8 @@ class Contract:
         elif name in _OBJECTS:
             root = _OBJECTS[name]
             self._launch("coll", name, a.get("group"), where, [f"{root}={_global_root(a, root)}"] if root else [])
+            # who asked for it: torch.distributed.checkpoint's planner exchanges its plans this way
+            self.launches[-1]["by_dcp"] = _called_from("/torch/distributed/checkpoint/")
         elif name in ("send_object_list", "recv_object_list"):
             self.violations.append(f"{name} at {where}: unpickles what a peer sends (and is not order-checked)")
         elif name in _P2P:

@@ -210,7 +210,10 @@ def _drive(plan: _Plan, procs: list, out_dir: Path) -> tuple[dict[int, dict], di
         deadline = time.monotonic() + 60
         while not all((out_dir / f"ready{r}").exists() for r in range(WORLD)):
             assert time.monotonic() < deadline, "the ranks did not start"
-            assert all(p.is_alive() for p in procs), "a rank ended before it was ready"
+            if not all(p.is_alive() for p in procs):
+                ended = {r: (out_dir / f"rank{r}.json").read_text() if (out_dir / f"rank{r}.json").exists() else
+                         p.exitcode for r, p in enumerate(procs) if not p.is_alive()}
+                raise AssertionError(f"a rank ended before it was ready: {ended}")
             time.sleep(0.05)
         time.sleep(0.3)  # let the receives block
         if plan.stop_rank is not None:

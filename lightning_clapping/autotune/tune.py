@@ -21,6 +21,7 @@ from lightning_clapping.autotune.ladders import boundary_ladders, first_visit_fr
 from lightning_clapping.autotune.messages import UNCOMPRESSED, CodecTimes, MessageShapes, TensorSpec
 from lightning_clapping.autotune.messages import message_bytes, spec_of
 from lightning_clapping.autotune.probe import Group, LinkMeasure, ProbeError, codec_times, probe_boundaries
+from lightning_clapping.comm import safe_objects
 from lightning_clapping.comm.placement import Placement
 
 #: what the strategy uses: the entry point, and what renders its result
@@ -43,8 +44,8 @@ def agree(
 
     Each rank passes what it knows: its stage, the measures :func:`~.probe.probe_boundaries` returned, its own compute
     seconds per micro-batch and the message shapes it knows (e.g. ``{s: {"fwd": ...}, s - 1: {"bwd": ...}}`` for
-    what it sends). Two collectives over ``group`` (all ranks must call): ``all_gather_object`` of these numbers,
-    then ``broadcast_object_list`` of the choices that rank ``src`` computed with :func:`~.choose.choose`
+    what it sends). Two collectives over ``group`` (all ranks must call), as JSON and never pickled
+    (:mod:`~lightning_clapping.comm.safe_objects`): an all-gather of these numbers, then a broadcast of the choices that rank ``src`` computed with :func:`~.choose.choose`
     (``choose_kwargs``: those of :func:`~.choose.choose_pipeline`; ``codec_s``: the codec times this rank measured
     for the messages it sends, merged over the ranks and handed to the step rule). Raises :class:`ProbeError` on
     every rank when the two ends of a boundary report different measurements, and ValueError on every rank when
@@ -58,8 +59,7 @@ def agree(
                    for b, dirs in message_shapes.items()},
         "codec_s": {int(b): {d: dict(t) for d, t in dirs.items()} for b, dirs in (codec_s or {}).items()},
     }
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = safe_objects.all_gather(mine, group=group)
     wires: dict[int, list[float]] = {}
     compute: dict[int, float] = {}
     shapes: dict[int, dict[str, list]] = {}
@@ -88,8 +88,7 @@ def agree(
             payload = [("ok", [c.to_wire() for c in choices.values()])]
         except (ValueError, TypeError) as err:  # every rank raises it, instead of waiting for a broadcast
             payload = [("error", f"{type(err).__name__}: {err}")]
-    dist.broadcast_object_list(payload, src=src, group=group)
-    status, body = payload[0]
+    status, body = safe_objects.broadcast(payload[0], src, group=group)
     if status != "ok":
         raise ValueError(f"autotune could not choose on rank {src}: {body}")
     return {w[0]: Choice.from_wire(w) for w in body}, all_measures

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_clapping.comm import safe_objects
 from lightning_clapping._compat import EmptyStateDictLoadPlanner, dcp_load_state_dict, tree_flatten, tree_unflatten
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -49,38 +50,35 @@ def gather_to_zero(local: Any, device: torch.device, group: Any = None) -> list[
     """Every rank's ``local`` object on the lowest rank of ``group`` (default: all ranks) in rank order, tensors on
     the CPU; ``None`` on the other ranks.
 
-    Only the structure (names, shapes, dtypes, plain values) is pickled; each tensor travels as itself.
+    The structure (names, shapes, dtypes, plain values) travels as JSON (:mod:`~lightning_clapping.comm.safe_objects`,
+    never pickled); each tensor travels as itself.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [_to_cpu(local)]
-    leaves, spec = tree_flatten(local)
-    tensors = [x for x in leaves if isinstance(x, Tensor)]
-    outline = tree_unflatten([x.to("meta") if isinstance(x, Tensor) else x for x in leaves], spec)
+    try:
+        blob, tensors = safe_objects.encode(local)
+    except TypeError as err:  # said to every rank, so that none waits for this one's tensors
+        blob, tensors = b"\0" + str(err).encode(), []
+    blobs = safe_objects.all_gather_bytes(blob, group, device)
+    refused = [b[1:].decode(errors="replace") for b in blobs if b.startswith(b"\0")]
+    if refused:
+        raise TypeError(f"a checkpoint part holds an object that is not sent between ranks: {refused[0]}")
     ranks = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
     rank, dst = dist.get_rank(), ranks[0]
-    outlines: list[Any] | None = [None] * len(ranks) if rank == dst else None
-    dist.gather_object(outline, outlines, dst=dst, group=group)
     if rank != dst:
         works = [dist.isend(t.detach().to(device).contiguous(), dst=dst, group=group, tag=i)
                  for i, t in enumerate(tensors)]
         for w in works:
             w.wait()
         return None
-    assert outlines is not None
     parts: list[Any] = [_to_cpu(local)]
     for src in ranks[1:]:
-        leaves, spec = tree_flatten(outlines[dist.get_group_rank(group or dist.group.WORLD, src)])
-        received, works = [], []
-        for x in leaves:
-            if isinstance(x, Tensor):
-                buf = torch.empty(x.shape, dtype=x.dtype, device=device)
-                works.append(dist.irecv(buf, src=src, group=group, tag=len(works)))
-                received.append(buf)
-            else:
-                received.append(x)
+        outline, specs = safe_objects.outline(blobs[dist.get_group_rank(group or dist.group.WORLD, src)])
+        received = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+        works = [dist.irecv(buf, src=src, group=group, tag=i) for i, buf in enumerate(received)]
         for w in works:
             w.wait()
-        parts.append(tree_unflatten([_to_cpu(x) for x in received], spec))
+        parts.append(safe_objects.fill(outline, [x.cpu() for x in received]))
     return parts
 
 

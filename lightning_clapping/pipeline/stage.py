@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_clapping.comm import safe_objects
 from lightning_clapping.pipeline import recompute as checkpointing
 from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
 from lightning_clapping.pipeline.crossings import Crossings, CrossingError, Need
@@ -156,7 +157,7 @@ class StageRunner:
     def settling_shared_owners(self, module: nn.Module, rank_of_stage: Callable[[int], int], group: Any = None):
         """Run a step while recording which of the partition's shared parameters this stage's code uses, then give
         each to the one stage that used it (:meth:`Partition.settle_owner`). Every stage must take part: one
-        ``all_gather_object`` over ``group`` (the ranks of one pipeline: ``rank_of_stage`` gives their global
+        all-gather of names over ``group`` (JSON, never pickled) (the ranks of one pipeline: ``rank_of_stage`` gives their global
         ranks) after the step."""
         params = dict(module.named_parameters(remove_duplicate=False))
         watched = {id(params[k]): k for k in self.partition.shared_params if k in params}
@@ -164,8 +165,7 @@ class StageRunner:
             yield
         gathered: list[Any] = [sorted(used)]
         if self.num_stages > 1:
-            gathered = [None] * self.num_stages
-            dist.all_gather_object(gathered, sorted(used), group=group)
+            gathered = safe_objects.all_gather(sorted(used), group=group)
         index = (lambda s: 0) if self.num_stages == 1 else \
             (lambda s: dist.get_group_rank(group or dist.group.WORLD, rank_of_stage(s)))
         for key in self.partition.shared_params:
