@@ -139,11 +139,14 @@ class StageCheckpoints:
         if fitting:
             for i, (opt, opt_names) in enumerate(zip(optimizers, names)):
                 prefixes.append(f"optimizer_{i}.param_groups")
-                prefixes += [f"optimizer_{i}.state.{opt_names[j]}" for j in sorted(ckpt.owned_indices(opt))]
+                for j in sorted(ckpt.owned_indices(opt)):  # a tied copy's state may sit under its first name
+                    prefixes += sorted({f"optimizer_{i}.state.{n}" for n in (opt_names[j],
+                                                                              partition.aliases.get(opt_names[j]))
+                                        if n})
         loaded = ckpt.load_sharded_entries(path, prefixes)
         for i, (opt, opt_names) in enumerate(zip(optimizers, names)):
             if f"optimizer_{i}" in loaded:
-                opt.load_state_dict(ckpt.state_by_position(loaded[f"optimizer_{i}"], opt_names))
+                opt.load_state_dict(ckpt.state_for_layout(loaded[f"optimizer_{i}"], opt, opt_names, partition.aliases))
                 _compat.optimizers_to_device([opt], placement.device)
         return meta, loaded.get("clapping_feedback", {})
 

@@ -95,6 +95,28 @@ def _pipe(out, kind):
     _fit(out, f"resumed_{kind}", strategy, 3, 2, resume=str(out / f"pipe_{kind}" / "epoch=0.ckpt"))
 
 
+SPLITS = {1: None, 2: ["blocks.2"], 3: SPLIT}
+
+
+def _save_on_one(out):
+    """One epoch in one process with the strategy, and its sharded checkpoint."""
+    import lightning_clapping
+
+    strategy = lightning_clapping.ClappingStrategy(microbatches=2, state_dict_type="sharded")
+    _fit(Path(out), "pipe_sharded_on_1", strategy, 1, 1)
+
+
+def _resume_elsewhere(out, saved_on, stages):
+    """The sharded checkpoint written on ``saved_on`` stages resumed on ``stages`` (1: one process, with the
+    strategy)."""
+    import lightning_clapping
+
+    out = Path(out)
+    folder = "pipe_sharded" if saved_on == 3 else f"pipe_sharded_on_{saved_on}"
+    strategy = lightning_clapping.ClappingStrategy(split_points=SPLITS[stages], microbatches=2)
+    _fit(out, f"resumed_{saved_on}_on_{stages}", strategy, stages, 2, resume=str(out / folder / "epoch=0.ckpt"))
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     """The one-process reference: two epochs, the checkpoint of the first saved on the way."""
@@ -139,4 +161,20 @@ def test_a_run_resumed_from_the_pipeline_checkpoint_continues_as_an_uninterrupte
     for name in single:
         torch.testing.assert_close(resumed[name], single[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     losses = json.loads((runs / f"resumed_{kind}_losses.json").read_text())
+    assert losses == pytest.approx(json.loads((runs / "single_losses.json").read_text())[3:], abs=1e-5)
+
+
+@pytest.mark.parametrize(("saved_on", "stages"), [(3, 2), (3, 1), (1, 3)])
+def test_a_sharded_checkpoint_resumes_on_another_number_of_stages(runs, saved_on, stages):
+    # sharded checkpoints resume "on any number of stages": the tied tensor's copies and their optimizer state
+    # land wherever the new cut puts them (one process holds the tensor once, the end stages a copy each)
+    runs = runs("sharded")
+    if saved_on == 1:
+        launch_forked(_save_on_one, str(runs), ranks=1, cwd=runs, timeout=300)
+    launch_forked(_resume_elsewhere, str(runs), saved_on, stages, ranks=stages, cwd=runs, timeout=300)
+    single = torch.load(runs / "single_weights.pt")
+    resumed = torch.load(runs / f"resumed_{saved_on}_on_{stages}_weights.pt")
+    for name in single:
+        torch.testing.assert_close(resumed[name], single[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    losses = json.loads((runs / f"resumed_{saved_on}_on_{stages}_losses.json").read_text())
     assert losses == pytest.approx(json.loads((runs / "single_losses.json").read_text())[3:], abs=1e-5)

@@ -168,6 +168,35 @@ def state_by_position(state_dict: dict[str, Any], names: list[str]) -> dict[str,
     }
 
 
+def state_for_layout(state_dict: dict[str, Any], optimizer: Optimizer, names: list[str],
+                     alias: dict[str, str]) -> dict[str, Any]:
+    """A state dict keyed by parameter name (a sharded checkpoint's) laid out for ``optimizer`` (``names``: its
+    parameters' names, by position), whatever cut wrote it. The copies of a tied tensor are one parameter
+    (``alias``: each other name -> its first name): a stage that holds two copies gets the state of either for both,
+    one process that holds the tensor once gets it once. Group settings come from the checkpoint, group by group."""
+    groups = state_dict.get("param_groups", [])
+    if not any(isinstance(p, str) for g in groups for p in g["params"]):
+        return state_dict
+    own = optimizer.param_groups
+    if len(groups) != len(own):
+        raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this one {len(own)}")
+    mine = {alias.get(n, n) for n in names}
+    unknown = [p for g in groups for p in g["params"] if alias.get(p, p) not in mine]
+    if unknown:
+        raise KeyError(f"the checkpoint's optimizer holds parameters the model does not have, e.g. {unknown[:3]}")
+    saved = {alias.get(n, n): v for n, v in state_dict.get("state", {}).items()}
+    held = owned_indices(optimizer)  # a released copy (meta) keeps no state
+    out_groups, state, pos = [], {}, 0
+    for g_saved, g in zip(groups, own):
+        positions = list(range(pos, pos + len(g["params"])))
+        pos += len(g["params"])
+        out_groups.append({**{k: v for k, v in g_saved.items() if k != "params"}, "params": positions})
+        for i in positions:
+            if i in held and alias.get(names[i], names[i]) in saved:
+                state[i] = saved[alias.get(names[i], names[i])]
+    return {"state": state, "param_groups": out_groups}
+
+
 def one_process_positions(state_dict: dict[str, Any], names: list[str], alias: dict[str, str]) -> dict[str, Any]:
     """A stage optimizer's state dict (by position) in the layout one process has: without the positions of the
     parameters named in ``alias`` (the other names of a tied tensor: a stage may list its copies apart, one process
@@ -359,5 +388,6 @@ __all__ = [
     "stage_positions",
     "state_by_name",
     "state_by_position",
+    "state_for_layout",
     "whole_hparams_modules",
 ]
