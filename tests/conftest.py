@@ -19,6 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The tests of the scripts in benchmarks/ (and of the delay link they shape traffic with): marked ``bench``, which
 # pyproject.toml leaves out of ``python -m pytest`` and CI runs as a command of its own (``python -m pytest -m bench``).
 BENCHMARK_TESTS = frozenset({
+    "test_benchmark_entropy_coding.py",
     "test_benchmark_quality.py",
     "test_benchmark_slow_network.py",
     "test_benchmark_time_to_target.py",
