@@ -26,7 +26,8 @@ QUANTIZERS = ["q1", "q1:sr", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q4:tenso
               "q8:sr", "q2:group64:sr", "q4:fp16", "q8:fp16", "q1:fp16", "q3:group7:fp16:sr", "q4:tensor:fp16"]
 SPARSIFIERS = ["topk:0.1", "topk:1", "randk:0.1", "randk:0.5", "topk:0.1+q8", "randk:0.25+q4", "topk:1+q4:fp16",
                "topk:0.2+q4:group16:fp16:sr", "randk:0.5+q2:sr"]
-LOSSY = CASTS + QUANTIZERS + SPARSIFIERS
+LOWRANK = ["lowrank:4", "lowrank:1:it0", "lowrank:16:it2"]
+LOSSY = CASTS + QUANTIZERS + SPARSIFIERS + LOWRANK
 ALL = ["identity"] + LOSSY
 SHAPES = [(), (0,), (1,), (7,), (63,), (64,), (65,), (3, 0), (5, 13), (2, 3, 129), (128, 64), (1000,)]
 
@@ -677,3 +678,19 @@ def test_randk_draws_every_position_equally_often(n, k):
     p = k / n
     # each count is Binomial(trials, p): allow 5 standard deviations
     assert float((counts - trials * p).abs().max()) <= 5 * math.sqrt(trials * p * (1 - p))
+
+
+def test_lowrank_under_error_feedback_sends_what_one_message_leaves_out_in_later_ones():
+    # a full-rank target, rank 4 per message: one message keeps a small part of it, and feeding the error back
+    # (as ef21 / Clapping-FC do with a reused batch) sends the rest within a few more messages
+    codec = codecs.get_codec("lowrank:4")
+    target = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    buffer = torch.zeros_like(target)
+    errors = []
+    for step in range(20):
+        diff = target - buffer
+        buffer += codec.decode(codec.encode(diff, seed=step), diff.shape, diff.dtype, seed=step)
+        errors.append(float((target - buffer).norm() / target.norm()))
+    assert errors[0] > 0.7, errors[0]  # one message: most of a full-rank matrix is lost (direct compression)
+    assert errors[-1] < 0.01, errors  # 20 x rank 4 > 64 columns: all of it sent, to fp16 precision
+    assert all(b <= a + 1e-6 for a, b in zip(errors, errors[1:])), errors

@@ -185,7 +185,7 @@ def test_a_resize_receives_only_an_announced_length_in_bounds(announced, nparts,
 # Past ``unpack``: what a message's parts decode to. Seeded loops (the same cases every run), a few seconds in all.
 CODEC_SPECS = [s for s in ["identity", "bf16", "fp16", "fp8", "fp8_e5m2", "q1", "q2:sr", "q3:tensor", "q4",
                            "q5:group4", "q6:fp16", "q7:group3:fp16:sr", "q8", "topk:0.3", "topk:0.5+q4:group4",
-                           "randk:0.3", "randk:0.5+q8:fp16"]
+                           "randk:0.3", "randk:0.5+q8:fp16", "lowrank:3", "lowrank:2:it0"]
                if s.split(":")[0] in available_codecs()]
 RULES = [("uncompressed", {}), ("direct", {}), ("ef21", {"fresh_codec": "q8"}),
          ("clapping-fc", {"lazy_threshold": 10.0, "max_skips": 1}), ("clapping-fu", {}),

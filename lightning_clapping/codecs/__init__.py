@@ -22,6 +22,9 @@ Built-in codecs, by the string :func:`get_codec` accepts (``codec.name`` gives t
 ``topk:<r>+q<b>[:...]``    as ``topk:<r>`` / ``randk:<r>``, the kept values quantized instead of fp16, e.g.
 ``randk:<r>+q<b>[:...]``   ``topk:0.1+q8``, ``randk:0.25+q4:fp16`` (quantizer options as above; by default one
                            scale for all kept values, ``:group<G>`` one per G of them)
+``lowrank:<R>[:it<k>]``    rank-R factors P (rows x R) and Q (channels x R) in fp16, P Q^T approximating the message
+                           read as [rows, last dimension]; k power steps (default 1). Biased: meant for the
+                           error-feedback variants (see :mod:`.lowrank`)
 =========================  ===========================================================================================
 
 Quantizer options come in any order, each at most once; ``codec.name`` writes them as
@@ -47,7 +50,7 @@ plain memory copy. A first ``torch.compile`` of the quantizer's steps (dynamic s
 on the project's CPU, so there is no compiled path.
 
 The families live in one module each: :mod:`.casts` (identity and casts), :mod:`.quant` (the quantizer) and
-:mod:`.sparse` (top-k, rand-k); :mod:`.base` holds the :class:`Codec` contract and the NaN/inf check, and
+:mod:`.sparse` (top-k, rand-k), :mod:`.lowrank` (low-rank factors); :mod:`.base` holds the :class:`Codec` contract and the NaN/inf check, and
 :mod:`.registry` the names. Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see
 its docstring). The bit packing lives in :mod:`lightning_clapping.codecs.bitpack` (``pack_bits``, ``unpack_bits`` and
 ``packed_nbytes`` are re-exported here).
@@ -60,6 +63,7 @@ import torch
 from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs.base import Codec, NonFiniteError, check_finite
 from lightning_clapping.codecs.casts import CAST_NAMES, CastCodec, IdentityCodec, cast_factory
+from lightning_clapping.codecs.lowrank import LowRankCodec, lowrank_factory
 from lightning_clapping.codecs.quant import QuantCodec, quant_factory
 from lightning_clapping.codecs.registry import (
     available_codecs, compression_ratio, get_codec, no_options, register_codec,
@@ -67,7 +71,7 @@ from lightning_clapping.codecs.registry import (
 from lightning_clapping.codecs.sparse import RandKCodec, TopKCodec, sparse_factory
 
 __all__ = [
-    "CastCodec", "Codec", "IdentityCodec", "NonFiniteError", "QuantCodec", "RandKCodec", "TopKCodec",
+    "CastCodec", "Codec", "IdentityCodec", "LowRankCodec", "NonFiniteError", "QuantCodec", "RandKCodec", "TopKCodec",
     "available_codecs", "check_finite", "compression_ratio", "get_codec", "pack_bits", "packed_nbytes",
     "register_codec", "unpack_bits",
 ]
@@ -80,4 +84,5 @@ for _bits in range(1, 9):
     register_codec(f"q{_bits}", quant_factory(_bits))
 register_codec("topk", sparse_factory(TopKCodec))
 register_codec("randk", sparse_factory(RandKCodec))
+register_codec("lowrank", lowrank_factory)
 del _name, _dtype_name, _bits
