@@ -77,6 +77,11 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "topk": ("topk:0.1+q4", "topk:0.1+q4", None),
     "randk fresh-q4": ("randk:0.1+q4", "randk:0.1+q4", "q4:fp16"),
     "randk fresh-q3": ("randk:0.1+q4", "randk:0.1+q4", "q3:group128:fp16"),
+    # rank-R factors in fp16 (codecs/lowrank.py), both directions: on Shakespeare's [512, 128] messages 100x / 51x /
+    # 25x for R = 2 / 4 / 8; on the MLP's [32, 512..128] messages 25-30x / 13-15x / 6-8x
+    "lowrank2": ("lowrank:2", "lowrank:2", None),
+    "lowrank4": ("lowrank:4", "lowrank:4", None),
+    "lowrank8": ("lowrank:8", "lowrank:8", None),
 }
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
@@ -90,6 +95,11 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("clapping-fu", 0.5, "randk fresh-q4"),
     ("clapping-fu", 0.5, "randk fresh-q3"),
     ("clapping-fu", SMALL_P, "randk fresh-q4"),
+    # low-rank factors under Clapping-FC's error feedback, and the same codec without feedback (direct)
+    ("clapping-fc", 0.5, "lowrank2"),
+    ("clapping-fc", 0.5, "lowrank4"),
+    ("clapping-fc", 0.5, "lowrank8"),
+    ("direct", 1.0, "lowrank4"),
 ]
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
