@@ -19,7 +19,9 @@ Variants, each at two codec settings (forward / backward codec):
 Frontier configurations beyond that grid (``FRONTIER_CONFIGS``), aiming at >= 16x fewer bytes than uncompressed:
 ``clapping-fc p=0.25 topk`` (the 10 % largest values, 4-bit, both directions) and ``clapping-fu`` with random 10 %
 of the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 or q3 with fp16 scales) at p = 0.5
-and 0.25. The report draws the bytes-quality frontier of every configuration and judges the 16x goal for each.
+and 0.25; ``clapping-fc`` with low-rank factors (``lowrank:2/4/8``, both directions) at p = 0.5 and ``direct`` with
+``lowrank:4``, the same codec without feedback. The report draws the bytes-quality frontier of every configuration
+and judges the 16x goal for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
