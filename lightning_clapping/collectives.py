@@ -56,7 +56,8 @@ class ReplicaCollectives:
             return safe_objects.broadcast(obj, src, device=self.root_device)
         except TypeError as err:
             raise TypeError(f"ClappingStrategy.broadcast sends plain data (dict, list, tuple, str, numbers, None, "
-                            f"paths, tensors) and never pickles: {err}. Broadcast the object's fields instead.") from None
+                            f"paths, tensors) and never pickles: {err}. Broadcast the object's fields "
+                            "instead.") from None
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """``sync_dist=True`` reduces over data-parallel replicas, never over stages: every stage already holds its

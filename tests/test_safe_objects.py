@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from conftest import launch_forked
 from lightning_clapping.comm import safe_objects
 from lightning_clapping.comm.wire import WireError
+from lightning_clapping.ft import wire  # frames this module's layout for a rejoining replica
 
 
 def _same(a, b) -> bool:
@@ -115,7 +116,12 @@ def _rank_main(out: str) -> None:
         refused = ""
     except TypeError as err:
         refused = str(err)
-    torch.save({"same": _same(TREE, got), "gathered": gathered, "refused": refused},
+    try:  # one rank's part of a gather cannot be sent: every rank hears it
+        safe_objects.all_gather([object()] if rank == 1 else [1])
+        gather_refused = ""
+    except TypeError as err:
+        gather_refused = str(err)
+    torch.save({"same": _same(TREE, got), "gathered": gathered, "refused": refused, "gather_refused": gather_refused},
                Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -127,22 +133,20 @@ def test_broadcast_and_all_gather_between_processes_and_a_refusal_reaches_every_
         assert seen["same"], f"rank {rank} got another tree"
         assert seen["gathered"] == [{"rank": 0, "names": ["r0"]}, {"rank": 1, "names": ["r1"]}]
         assert "is not sent between ranks" in seen["refused"], seen  # raised on the receiver too: nobody hangs
+        assert "is not sent between ranks" in seen["gather_refused"], seen
 
 
-_REJOIN = None
+_STATE = {"module": {"w": torch.randn(3, 4)}, "epoch": 2,
+          "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
+                        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]}}
+_REJOIN = wire.encode(_STATE)
 
 
 @settings(max_examples=300, deadline=None)
 @given(flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), min_size=1, max_size=4),
        cut=st.none() | st.integers(0, 10_000))
 def test_a_damaged_rejoin_state_decodes_or_raises_wire_error_only(flips, cut):
-    # the state a rejoining replica takes from a peer (ft/wire.py frames this module's outline and tensor bytes)
-    from lightning_clapping.ft import wire
-
-    global _REJOIN
-    if _REJOIN is None:
-        _REJOIN = wire.encode({"module": {"w": torch.randn(3, 4)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
-                               "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]}, "epoch": 2})
+    # the state a rejoining replica takes from a peer (ft/wire.py)
     data = bytearray(_REJOIN)
     for pos, mask in flips:
         data[pos % len(data)] ^= mask

@@ -45,7 +45,8 @@ def agree(
     Each rank passes what it knows: its stage, the measures :func:`~.probe.probe_boundaries` returned, its own compute
     seconds per micro-batch and the message shapes it knows (e.g. ``{s: {"fwd": ...}, s - 1: {"bwd": ...}}`` for
     what it sends). Two collectives over ``group`` (all ranks must call), as JSON and never pickled
-    (:mod:`~lightning_clapping.comm.safe_objects`): an all-gather of these numbers, then a broadcast of the choices that rank ``src`` computed with :func:`~.choose.choose`
+    (:mod:`~lightning_clapping.comm.safe_objects`): an all-gather of these numbers, then a broadcast of the choices
+    that rank ``src`` computed with :func:`~.choose.choose`
     (``choose_kwargs``: those of :func:`~.choose.choose_pipeline`; ``codec_s``: the codec times this rank measured
     for the messages it sends, merged over the ranks and handed to the step rule). Raises :class:`ProbeError` on
     every rank when the two ends of a boundary report different measurements, and ValueError on every rank when

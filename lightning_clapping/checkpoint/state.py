@@ -55,14 +55,7 @@ def gather_to_zero(local: Any, device: torch.device, group: Any = None) -> list[
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [_to_cpu(local)]
-    try:
-        blob, tensors = safe_objects.encode(local)
-    except TypeError as err:  # said to every rank, so that none waits for this one's tensors
-        blob, tensors = b"\0" + str(err).encode(), []
-    blobs = safe_objects.all_gather_bytes(blob, group, device)
-    refused = [b[1:].decode(errors="replace") for b in blobs if b.startswith(b"\0")]
-    if refused:
-        raise TypeError(f"a checkpoint part holds an object that is not sent between ranks: {refused[0]}")
+    blobs, tensors = safe_objects.all_gather_outlines(local, group, device)
     ranks = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
     rank, dst = dist.get_rank(), ranks[0]
     if rank != dst:

@@ -49,11 +49,11 @@ Everything runs in eager PyTorch, no compiler needed; ``benchmarks/codec_speed.p
 plain memory copy. A first ``torch.compile`` of the quantizer's steps (dynamic shapes) ran slower than this eager code
 on the project's CPU, so there is no compiled path.
 
-The families live in one module each: :mod:`.casts` (identity and casts), :mod:`.quant` (the quantizer) and
-:mod:`.sparse` (top-k, rand-k), :mod:`.lowrank` (low-rank factors); :mod:`.base` holds the :class:`Codec` contract and the NaN/inf check, and
-:mod:`.registry` the names. Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see
-its docstring). The bit packing lives in :mod:`lightning_clapping.codecs.bitpack` (``pack_bits``, ``unpack_bits`` and
-``packed_nbytes`` are re-exported here).
+The families live in one module each: :mod:`.casts` (identity and casts), :mod:`.quant` (the quantizer),
+:mod:`.sparse` (top-k, rand-k) and :mod:`.lowrank` (low-rank factors); :mod:`.base` holds the :class:`Codec`
+contract and the NaN/inf check, and :mod:`.registry` the names. Writing a codec takes a few lines: subclass
+:class:`Codec` and register a factory (see its docstring). The bit packing lives in
+:mod:`lightning_clapping.codecs.bitpack` (``pack_bits``, ``unpack_bits`` and ``packed_nbytes`` are re-exported here).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ from lightning_clapping.codecs.registry import (
 from lightning_clapping.codecs.sparse import RandKCodec, TopKCodec, sparse_factory
 
 __all__ = [
-    "CastCodec", "Codec", "IdentityCodec", "LowRankCodec", "NonFiniteError", "QuantCodec", "RandKCodec", "TopKCodec",
+    "CastCodec", "Codec", "IdentityCodec", "LowRankCodec", "NonFiniteError", "QuantCodec", "RandKCodec",
+    "TopKCodec",
     "available_codecs", "check_finite", "compression_ratio", "get_codec", "pack_bits", "packed_nbytes",
     "register_codec", "unpack_bits",
 ]

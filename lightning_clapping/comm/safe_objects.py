@@ -4,14 +4,15 @@
 The engine's collectives after set-up (autotune's measurements and choices, which stage uses a shared parameter,
 a full checkpoint's outline, predictions handed to every stage) carry plain data, so they travel here instead:
 
-* :func:`encode` turns a tree of ``dict`` / ``list`` / ``tuple`` / ``str`` / ``int`` / ``float`` / ``bool`` /
-  ``None`` / paths / :class:`torch.dtype` / ``torch.Size`` / :class:`~torch.Tensor` into UTF-8 JSON (every container tagged,
-  so tuples stay tuples and dict keys keep their type) and the list of its tensors; anything else is a
-  ``TypeError`` that names the type, raised before anything is sent.
+* :func:`encode` turns a tree of ``dict`` (and ``OrderedDict``) / ``list`` / ``tuple`` / ``str`` / ``int`` /
+  ``float`` / ``bool`` / ``None`` / paths / :class:`torch.dtype` / ``torch.Size`` / :class:`~torch.Tensor` into
+  UTF-8 JSON (every container tagged, so tuples stay tuples and dict keys keep their type) and the list of its
+  tensors; anything else is a ``TypeError`` that names the type, raised before anything is sent.
 * :func:`decode` reads it back and raises only :class:`~lightning_clapping.comm.wire.WireError` on bytes that do not
   follow the layout. Tensors come back as the bytes the sender had (same dtype, shape and values).
-* :func:`all_gather`, :func:`broadcast` and :func:`gather_outlines` move encoded objects as uint8 tensors on the
-  group's device (CUDA under NCCL, which carries no CPU tensors), lengths first.
+* :func:`all_gather`, :func:`all_gather_outlines` and :func:`broadcast` move encoded objects as uint8 tensors on
+  the group's device (CUDA under NCCL, which carries no CPU tensors), lengths first. An object that cannot be
+  encoded on one rank raises ``TypeError`` on every rank, so that none waits for it.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from torch import Tensor
 
 from lightning_clapping.comm.wire import DTYPE_CODE, DTYPES, WireError
 
-__all__ = ["all_gather", "all_gather_bytes", "broadcast", "decode", "encode", "fill", "group_device", "outline",
-           "tensor_bytes"]
+__all__ = ["all_gather", "all_gather_bytes", "all_gather_outlines", "broadcast", "decode", "encode", "fill",
+           "group_device", "outline", "tensor_bytes"]
 
 Group = Any
 _MAX_DEPTH = 64
@@ -209,14 +210,31 @@ def all_gather_bytes(blob: bytes, group: Group, device: torch.device) -> list[by
     return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, sizes)]
 
 
-def all_gather(obj: Any, group: Group = None, device: torch.device | None = None) -> list[Any]:
-    """Every rank's ``obj`` over ``group``, in group-rank order (all ranks call). Plain data only: the tensors of
-    ``obj`` are not sent (use :func:`broadcast` for those)."""
+_REFUSED = b"\0"  # starts a refusal instead of an outline (JSON never starts with a NUL byte)
+
+
+def all_gather_outlines(obj: Any, group: Group = None,
+                        device: torch.device | None = None) -> tuple[list[bytes], list[Tensor]]:
+    """Every rank's :func:`encode` outline of its ``obj`` (group-rank order; read each with :func:`outline`) and this
+    rank's own tensors, which the caller sends as it sees fit (all ranks call)."""
     device = group_device(group) if device is None else device
-    blob, tensors = encode(obj)
-    if tensors:
-        raise TypeError("all_gather sends plain data; tensors go through broadcast")
-    return [decode(b) for b in all_gather_bytes(blob, group, device)]
+    try:
+        blob, tensors = encode(obj)
+    except TypeError as err:
+        blob, tensors = _REFUSED + str(err).encode(), []
+    blobs = all_gather_bytes(blob, group, device)
+    refused = [b[1:].decode(errors="replace") for b in blobs if b.startswith(_REFUSED)]
+    if refused:
+        raise TypeError(f"an object that is not sent between ranks: {refused[0]}")
+    return blobs, tensors
+
+
+def all_gather(obj: Any, group: Group = None, device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``obj`` over ``group``, in group-rank order (all ranks call). Plain data only: an ``obj`` holding
+    tensors is a :class:`~lightning_clapping.comm.wire.WireError` on every rank (their bytes are not sent; use
+    :func:`broadcast` or :func:`all_gather_outlines`)."""
+    blobs, _ = all_gather_outlines(obj, group, device)
+    return [decode(b) for b in blobs]
 
 
 def broadcast(obj: Any, src: int, group: Group = None, device: torch.device | None = None) -> Any:
