@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 from _machine import describe  # noqa: E402
+from codec_speed import CacheFlush  # noqa: E402  (the same flush before every timed operation)
 
 from lightning_clapping.codecs import QuantCodec, get_codec, unpack_bits  # noqa: E402
 from lightning_clapping.codecs.feedback import MessageRule, StepContext  # noqa: E402
@@ -357,16 +358,6 @@ def run_task(name: str, steps: int, p: float, codecs: list[str], seed: int,
 # ---------------------------------------------------------------------------------------------------- timing
 
 
-class CacheFlush:
-    """Writes a 96 MB buffer, so that the next timed operation starts from memory (as in codec_speed.py)."""
-
-    def __init__(self, megabytes: int = 96):
-        self.buffer = torch.empty(megabytes << 18)
-
-    def __call__(self) -> None:
-        self.buffer.fill_(1.0)
-
-
 def time_codecs(source: torch.Tensor, values: int, warmup: int, repeats: int) -> dict:
     """Medians (ms) of copy, q4 encode/decode and rANS encode/decode on ``values`` fp32 values from ``source``."""
     cols = source.shape[-1]
@@ -377,7 +368,7 @@ def time_codecs(source: torch.Tensor, values: int, warmup: int, repeats: int) ->
     y = torch.empty_like(x)
     codec = get_codec("q4")
     n_scales, _ = codec._layout(tuple(x.shape))
-    flush = CacheFlush()
+    flush = CacheFlush(enabled=True)
     times = {"copy": [], "q4_encode": [], "q4_decode": [], "rans_encode": [], "rans_decode": []}
     words = hist = None
     for i in range(warmup + repeats):

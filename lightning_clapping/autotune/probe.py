@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from lightning_clapping.autotune.messages import UNCOMPRESSED, TensorSpec, spec_of
 from lightning_clapping.codecs import get_codec
+from lightning_clapping.comm.safe_objects import group_device
 
 #: first tag of the probe messages; the pipeline's tags are ``purpose * 1_000_000 + slot * 2 + k`` with purposes 1-3
 PROBE_TAG = 2_000_000_000
@@ -177,10 +178,8 @@ def probe_link(
 
 def probe_device(group: Group = None) -> torch.device:
     """Where probe messages live by default: the current CUDA device when ``group``'s backend is NCCL (which carries
-    CUDA tensors only), else the CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    CUDA tensors only), else the CPU (:func:`~lightning_clapping.comm.safe_objects.group_device`)."""
+    return group_device(group)
 
 
 def _control(command: int, device: torch.device, number: int = 0, values: Sequence[float] = ()) -> torch.Tensor:
