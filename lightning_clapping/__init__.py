@@ -3,6 +3,7 @@
 ``import lightning_clapping`` registers the strategy name, so ``Trainer(strategy="clapping")`` works afterwards.
 """
 
+from lightning_clapping.bottleneck import Bottleneck
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.ft import FaultTolerance
@@ -19,6 +20,7 @@ _namespaces.register()
 
 __version__ = "0.1.0"
 __all__ = [
+    "Bottleneck",
     "VARIANTS",
     "BatchInfo",
     "ClappingStrategy",

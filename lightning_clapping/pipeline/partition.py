@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_clapping.bottleneck import Bottleneck
+
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
@@ -287,6 +289,7 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
                 f"(devices x num_nodes). Set devices={len(cuts) + 1} or give {num_stages - 1} split points."
             )
     index = {n: i for i, n in enumerate(names)}
+    cuts = [f"{c}.up" if isinstance(modules.get(c), Bottleneck) else c for c in cuts]  # cut between its halves
     for c in cuts:
         if c not in index or c == "":
             near = [n for n in block_candidates(model)][:20]

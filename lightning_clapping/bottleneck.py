@@ -1,0 +1,60 @@
+"""An opt-in, trainable boundary bottleneck: a low-rank down/up projection pair that a model puts where it is cut.
+
+This is a **model change**, not a codec: ``Bottleneck(features, rank)`` is an ``nn.Module`` with two bias-free
+linear maps, ``down`` (``features -> rank``) and ``up`` (``rank -> features``), and ``forward(x) = up(down(x))`` on
+the last dimension. Put it in the model where a stage should end. A split point that names a ``Bottleneck`` cuts
+between its two halves: ``down`` runs on the earlier stage, ``up`` on the later one, so the wire carries
+``rank`` values per position instead of ``features`` (in both directions: the gradient that comes back has the
+code's shape too), and any codec then compresses that code.
+
+Because it is part of the model, everything else follows from Lightning as usual: the checkpoint holds ``down`` and
+``up`` with the rest of the weights, and the model run in one process (inference, export, a Trainer without this
+strategy) runs through the same projection it was trained with. It constrains what crosses the cut to a
+``rank``-dimensional subspace that training learns; whether that costs quality is the model's business, and
+BENCHMARKS.md measures it on the project's quality tasks.
+
+At initialisation ``down`` has orthonormal rows and ``up`` is its transpose, so ``up(down(x))`` starts as an
+orthogonal projection onto a random ``rank``-dimensional subspace (no rescaling of what passes through).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Bottleneck"]
+
+
+class Bottleneck(nn.Module):
+    """``up(down(x))`` with ``down: features -> rank`` and ``up: rank -> features``, both linear without bias."""
+
+    def __init__(self, features: int, rank: int) -> None:
+        super().__init__()
+        for name, value in (("features", features), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Bottleneck: {name} must be a positive integer, got {value!r}")
+        if rank >= features:
+            raise ValueError(
+                f"Bottleneck: rank {rank} must be smaller than features {features}; a bottleneck that is not "
+                f"narrower than its input saves nothing on the wire (leave the model as it is instead)"
+            )
+        self.features, self.rank = features, rank
+        self.down = nn.Linear(features, rank, bias=False)
+        self.up = nn.Linear(rank, features, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            nn.init.orthogonal_(self.down.weight)  # [rank, features] with orthonormal rows
+            self.up.weight.copy_(self.down.weight.t())
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.features:
+            raise ValueError(
+                f"Bottleneck({self.features}, {self.rank}) got a tensor whose last dimension is {x.shape[-1]}; "
+                f"build it with the width of the values it sits between"
+            )
+        return self.up(self.down(x))
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}, rank={self.rank}"

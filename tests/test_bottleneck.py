@@ -1,0 +1,81 @@
+"""The opt-in boundary bottleneck: a model change that the pipeline cuts between its two halves."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import launch_forked
+from lightning_clapping import Bottleneck, build_partition
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bottleneck")
+    for mode, ranks in (("single", 1), ("pipe", 2), ("pipe_after", 2)):
+        launch_forked("bottleneck_run.py", str(out), mode, ranks=ranks, cwd=out)
+    return out
+
+
+def test_a_split_point_naming_a_bottleneck_cuts_between_its_halves():
+    from bottleneck_run import BottleneckMLP
+
+    part = build_partition(BottleneckMLP(), 2, ["net.2"])
+    assert part.cut_points == ("net.2.up",)
+    assert part.unit_stage["net.2.down"] == 0 and part.unit_stage["net.2.up"] == 1
+
+
+def test_the_bottlenecked_model_trains_on_stages_as_in_one_process(runs):
+    single = json.loads((runs / "bottleneck_single.json").read_text())
+    pipe = json.loads((runs / "bottleneck_pipe.json").read_text())
+    assert len(pipe["losses"]) == 4 and pipe["losses"] == pytest.approx(single["losses"], rel=0, abs=1e-5)
+    a, b = torch.load(runs / "bottleneck_single.pt"), torch.load(runs / "bottleneck_pipe.pt")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_the_wire_carries_the_code_not_the_full_width(runs):
+    from bottleneck_run import BATCH, RANK
+
+    code = json.loads((runs / "bottleneck_pipe.json").read_text())["totals"]
+    wide = json.loads((runs / "bottleneck_pipe_after.json").read_text())["totals"]
+    # the same messages (headers, step results) but for the boundary tensor: per step the batch's [BATCH, 32] values
+    # after the bottleneck against its [BATCH, RANK] code, forward and back, as fp32
+    assert code["steps"] == wide["steps"] == 4
+    assert wide["raw_bytes"] - code["raw_bytes"] == 4 * 2 * BATCH * (32 - RANK) * 4
+    assert wide["bytes"] - code["bytes"] == 4 * 2 * BATCH * (32 - RANK) * 4
+
+
+def test_the_checkpoint_holds_the_projection_and_one_process_runs_through_it(runs):
+    from bottleneck_run import BottleneckMLP
+
+    trained = torch.load(runs / "bottleneck_pipe.pt")
+    model = BottleneckMLP.load_from_checkpoint(runs / "bottleneck_pipe.ckpt", map_location="cpu")
+    state = model.state_dict()
+    assert {"net.2.down.weight", "net.2.up.weight"} <= state.keys()
+    for k, v in trained.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    x = torch.randn(5, 16)
+    h = model.net[1](model.net[0](x))
+    code = h @ state["net.2.down.weight"].t()
+    assert torch.allclose(model.net[2](h), code @ state["net.2.up.weight"].t(), atol=1e-6)
+
+
+def test_a_bottleneck_starts_as_an_orthogonal_projection_and_refuses_bad_sizes():
+    b = Bottleneck(16, 4)
+    torch.testing.assert_close(b.down.weight @ b.down.weight.t(), torch.eye(4), atol=1e-5, rtol=0)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(b(b(x)), b(x), atol=1e-5, rtol=0)  # a projection: applying it twice changes nothing
+    with pytest.raises(ValueError, match="smaller than features"):
+        Bottleneck(8, 8)
+    with pytest.raises(ValueError, match="positive integer"):
+        Bottleneck(8, 0)
+    with pytest.raises(ValueError, match="last dimension is 7"):
+        b(torch.randn(2, 7))
