@@ -104,10 +104,37 @@ class MLP(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
 
 
+#: codec settings of benchmarks/quality.py that change the model: the divisor of the width of the Bottleneck
+#: inserted at every cut (see with_bottlenecks)
+BOTTLENECK = {"bn4": 4, "bn4 q8": 4, "bn4 moderate": 4, "bn8": 8, "bn8 q8": 8, "bn8 moderate": 8, "bn16 moderate": 16}
+
+
 def _char_transformer():
     from char_lm import CharTransformer  # examples/char_lm.py
 
     return CharTransformer
+
+
+def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], divisor: int,
+                     width_of: Callable[[nn.Module, int], int]) -> tuple[L.LightningModule, list[str]]:
+    """The model with a trainable ``Bottleneck(w, w // divisor)`` inserted in ``model.<container>`` before each of
+    the elements ``cuts``, and the split points that cut between each bottleneck's halves (``<container>.<i>``).
+
+    The bottlenecks are built after the model, so its own weights are those of the plain model for the same seed;
+    ``width_of(container, i)`` is the width of the values entering element ``i``.
+    """
+    from lightning_clapping import Bottleneck
+
+    old = getattr(model, container)
+    items, points = [], []
+    for i, module in enumerate(old):
+        if i in cuts:
+            width = width_of(old, i)
+            points.append(f"{container}.{len(items)}")
+            items.append(Bottleneck(width, width // divisor))
+        items.append(module)
+    setattr(model, container, nn.Sequential(*items) if isinstance(old, nn.Sequential) else nn.ModuleList(items))
+    return model, points
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -128,6 +155,8 @@ class Task:
     batch_size: int
     make_data: Callable[..., L.LightningDataModule]
     make_model: Callable[[L.LightningDataModule], L.LightningModule]
+    #: (model, divisor) -> (the model with a Bottleneck of width // divisor at every cut, its split points)
+    add_bottlenecks: Callable[[L.LightningModule, int], tuple[L.LightningModule, list[str]]]
     gradient_clip_val: float | None = None
 
     def missing(self) -> str | None:
@@ -156,6 +185,9 @@ TASKS: dict[str, Task] = {
         batch_size=128,
         make_data=_fashion_data,
         make_model=lambda dm: MLP(),
+        # before net.2, net.4, net.6: the widths 512, 256 and 128 after the ReLUs
+        add_bottlenecks=lambda model, divisor: with_bottlenecks(model, "net", [2, 4, 6], divisor,
+                                                                lambda net, i: net[i].in_features),
     ),
     "shakespeare": Task(
         name="shakespeare",
@@ -170,6 +202,9 @@ TASKS: dict[str, Task] = {
         make_data=_shakespeare_data,
         make_model=lambda dm: _char_transformer()(dm.vocab_size, block_size=128, d=128, heads=4, layers=4,
                                                   dropout=0.0, lr=1e-3, warmup=20),
+        # before blocks 1, 2 and 3: the residual stream, width 128
+        add_bottlenecks=lambda model, divisor: with_bottlenecks(model, "blocks", [1, 2, 3], divisor,
+                                                                lambda blocks, i: blocks[i].ln1.normalized_shape[0]),
         gradient_clip_val=1.0,
     ),
 }

@@ -20,8 +20,10 @@ Frontier configurations beyond that grid (``FRONTIER_CONFIGS``), aiming at >= 16
 ``clapping-fc p=0.25 topk`` (the 10 % largest values, 4-bit, both directions) and ``clapping-fu`` with random 10 %
 of the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 or q3 with fp16 scales) at p = 0.5
 and 0.25; ``clapping-fc`` with low-rank factors (``lowrank:2/4/8``, both directions) at p = 0.5 and ``direct`` with
-``lowrank:4``, the same codec without feedback. The report draws the bytes-quality frontier of every configuration
-and judges the 16x goal for each.
+``lowrank:4``, the same codec without feedback; one bit per value (``q1`` both ways, about 30x) plain, under EF21 and
+under Clapping-FC; and an opt-in model change, a trainable ``lightning_clapping.Bottleneck`` of width / 4, / 8 or / 16
+at every cut (``bn4``, ``bn8``, ``bn16``), alone and with codecs on its code. The report draws the bytes-quality
+frontier of every configuration and judges the 16x goal for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
@@ -68,7 +70,7 @@ torch.set_num_threads(1)  # four stage processes share a small CPU
 import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
-from _quality_tasks import TASKS  # noqa: E402
+from _quality_tasks import BOTTLENECK, TASKS  # noqa: E402
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -84,6 +86,16 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "lowrank2": ("lowrank:2", "lowrank:2", None),
     "lowrank4": ("lowrank:4", "lowrank:4", None),
     "lowrank8": ("lowrank:8", "lowrank:8", None),
+    # one bit per value (the sign and one fp32 mean magnitude per channel), both directions: about 30x
+    "q1": ("q1", "q1", None),
+    # a model change: a trainable Bottleneck (lightning_clapping.Bottleneck) of width / N at every cut, then a codec
+    "bn4": (None, None, None),
+    "bn4 q8": ("q8", "q8", None),
+    "bn4 moderate": ("q4", "q8", None),
+    "bn8": (None, None, None),
+    "bn8 q8": ("q8", "q8", None),
+    "bn8 moderate": ("q4", "q8", None),
+    "bn16 moderate": ("q4", "q8", None),
 }
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
@@ -102,6 +114,19 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("clapping-fc", 0.5, "lowrank4"),
     ("clapping-fc", 0.5, "lowrank8"),
     ("direct", 1.0, "lowrank4"),
+    # one bit per value, about 30x: plain, with EF21's feedback, and under Clapping-FC
+    ("direct", 1.0, "q1"),
+    ("ef21", 1.0, "q1"),
+    ("clapping-fc", 0.5, "q1"),
+    # the opt-in boundary bottleneck (a model change): alone (8x), then with codecs on its code
+    ("uncompressed", 1.0, "bn4"),
+    ("direct", 1.0, "bn4 q8"),
+    ("direct", 1.0, "bn4 moderate"),
+    ("uncompressed", 1.0, "bn8"),
+    ("direct", 1.0, "bn8 q8"),
+    ("direct", 1.0, "bn8 moderate"),
+    ("clapping-fc", 0.5, "bn8 moderate"),
+    ("direct", 1.0, "bn16 moderate"),
 ]
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
@@ -195,7 +220,8 @@ def all_configs() -> list[tuple[str, float, str | None, bool]]:
         for variant in ("clapping-fc", "clapping-fu"):
             for p in (0.5, SMALL_P):
                 out.append((variant, p, setting, True))
-    out += [(variant, p, setting, variant not in ("direct", "ef21")) for variant, p, setting in FRONTIER_CONFIGS]
+    out += [(variant, p, setting, variant.startswith("clapping") or variant == "aqsgd")
+            for variant, p, setting in FRONTIER_CONFIGS]
     return out
 
 
@@ -296,10 +322,12 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     L.seed_everything(cfg.seed, verbose=False)  # same initial weights and batch order for every variant of a seed
     dm = task.make_data(cfg.seed, cfg.limit, cfg.eval_samples, task.batch_size)
     dm.setup("fit")
-    model = task.make_model(dm)
+    model, split_points = task.make_model(dm), task.split_points
+    if cfg.setting in BOTTLENECK:
+        model, split_points = task.add_bottlenecks(model, BOTTLENECK[cfg.setting])
     data = lightning_clapping.LazySamplingDataModule(dm, p=cfg.p, seed=cfg.seed) if cfg.lazy else dm
     strategy = lightning_clapping.ClappingStrategy(
-        split_points=task.split_points, microbatches=task.microbatches, variant=cfg.variant,
+        split_points=split_points, microbatches=task.microbatches, variant=cfg.variant,
         forward_codec=cfg.fwd or "identity", backward_codec=cfg.bwd or "identity", fresh_codec=cfg.fresh,
         timeout=timedelta(minutes=timeout_min))
     recorder = Recorder(task.metric)
