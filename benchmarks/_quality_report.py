@@ -82,6 +82,7 @@ def aggregate(records: list[dict], order: list[str] | None = None) -> list[dict]
         } for step, pts in by_step.items()]
         aggs.append({
             "task": task, "label": label, "variant": first["variant"], "p": first["p"], "setting": first["setting"],
+            "model_change": first["setting"] in BOTTLENECK,
             "fwd": first["fwd"], "bwd": first["bwd"], "fresh": first.get("fresh"), "steps": steps, "seeds": len(runs),
             "eval_samples": first["eval_samples"],
             "metric_mean": _mean(metrics), "metric_std": _std(metrics),

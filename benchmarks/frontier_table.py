@@ -31,11 +31,21 @@ def build(results: dict[str, Any]) -> dict[str, Any]:
         settings = results["mode_settings"]["tasks"].get(task, {})
         tasks[task] = {"metric": results["tasks"][task]["metric"], "unit": front["unit"],
                        "steps": settings.get("steps")}
-    on_frontier = {(task, row["config"]) for task, front in results["frontier"].items() for row in front["frontier"]}
+    # autotune chooses codecs, never a model change (a Bottleneck the user inserts): those runs are left out, and
+    # the frontier is that of the codec settings alone
+    choosable = [a for a in results["aggregates"]
+                 if not a.get("model_change") and a["deficit_vs_uncompressed"] is not None and a["bytes_ratio"]]
+
+    def beaten(a: dict[str, Any]) -> bool:
+        ra, da = a["bytes_ratio"], a["deficit_vs_uncompressed"]
+        return any(b["task"] == a["task"] and b["bytes_ratio"] >= ra and b["deficit_vs_uncompressed"] <= da
+                   and (b["bytes_ratio"] > ra or b["deficit_vs_uncompressed"] < da) for b in choosable)
+
+    on_frontier = {(a["task"], a["label"]) for a in choosable if not beaten(a)}
     rows: dict[str, dict[str, Any]] = {}
-    for agg in results["aggregates"]:
+    for agg in choosable:
         task, config = agg["task"], agg["label"]
-        if task not in tasks or agg["deficit_vs_uncompressed"] is None or (agg["fwd"] is None and agg["bwd"] is None):
+        if task not in tasks or (agg["fwd"] is None and agg["bwd"] is None):
             continue  # uncompressed runs are the reference, not a setting to choose
         row = rows.setdefault(config, {"config": config, "variant": agg["variant"], "p": float(agg["p"]),
                                        "fwd": agg["fwd"], "bwd": agg["bwd"], "fresh": agg["fresh"],
