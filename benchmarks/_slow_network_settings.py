@@ -145,6 +145,9 @@ class Variant:
     autotune: bool = False  # ClappingStrategy(autotune=True): the strategy picks each boundary's codecs itself
     schedule: str | None = None  # this row's own schedule ("auto": autotune may switch); None: the run's --schedule
     fresh_codec: str | None = None  # ClappingStrategy(fresh_codec=...): the codec of fresh steps (None: as without)
+    #: a model change: a trainable lightning_clapping.Bottleneck of width d / bottleneck before every cut, the cut
+    #: between its halves (None: the model as it is)
+    bottleneck: int | None = None
 
     @property
     def sample_ids(self) -> bool:
@@ -231,6 +234,14 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
         out += [Variant(f"clapping-fu p={p:g}", "clapping-fu", p, fwd, bwd) for p in args.fu_p]
         if getattr(args, "frontier", False):
             out.append(FRONTIER)
+        for text in getattr(args, "bottleneck", None) or []:
+            divisor, _, pair = text.partition(":")
+            bn_fwd, _, bn_bwd = pair.partition("/")
+            if not divisor.isdigit() or int(divisor) < 2 or not bn_fwd or not bn_bwd:
+                raise SystemExit(f"--bottleneck takes N:FORWARD/BACKWARD such as 8:q8/q8 (N >= 2 divides the "
+                                 f"width), got {text!r}")
+            out.append(Variant(f"direct bn{divisor} {pair}", "direct", 1.0, bn_fwd, bn_bwd,
+                               bottleneck=int(divisor)))
     if not getattr(args, "no_auto", False) and strategy_accepts("autotune"):
         out.append(Variant(f"auto p={args.p:g}", "clapping-fc", args.p, fwd, bwd, autotune=True))
         if getattr(args, "auto_schedule", False):

@@ -129,8 +129,10 @@ def make_strategy(cfg: dict) -> lightning_clapping.ClappingStrategy:
     extra = {"autotune": True} if v.get("autotune") else {}  # only then: older strategies lack the keyword
     if v.get("fresh_codec"):
         extra["fresh_codec"] = v["fresh_codec"]
+    # with a Bottleneck before every cut (see worker), the k-th one sits at blocks.{cut + k}, and the cut names it
+    shift = 1 if v.get("bottleneck") else 0
     return lightning_clapping.ClappingStrategy(
-        split_points=[f"blocks.{i}" for i in cfg["cuts"]], microbatches=cfg["microbatches"],
+        split_points=[f"blocks.{i + k * shift}" for k, i in enumerate(cfg["cuts"])], microbatches=cfg["microbatches"],
         schedule=v.get("schedule") or cfg["schedule"], variant=v["variant"],
         forward_codec=codec_arg(v["forward_codec"], stages - 1, get_codec),
         backward_codec=codec_arg(v["backward_codec"], stages - 1, get_codec),
@@ -153,6 +155,11 @@ def worker(config_path: str) -> None:
     model = CharTransformer(dm.vocab_size, block_size=cfg["block"], d=cfg["d"], heads=cfg["heads"],
                             layers=cfg["layers"])
     v = cfg["variant"]
+    if v.get("bottleneck"):  # built after the model: its own weights are the plain model's for the seed
+        blocks = list(model.blocks)
+        for k, i in enumerate(cfg["cuts"]):
+            blocks.insert(i + k, lightning_clapping.Bottleneck(cfg["d"], cfg["d"] // v["bottleneck"]))
+        model.blocks = torch.nn.ModuleList(blocks)
     # lazy sampling for p < 1; AQ-SGD needs the sample ids that the wrapper reports (at p = 1 it changes nothing else)
     wrap = v["p"] < 1.0 or v["variant"] == "aqsgd"
     data = lightning_clapping.LazySamplingDataModule(dm, p=v["p"], seed=cfg["seed"]) if wrap else dm

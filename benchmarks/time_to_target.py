@@ -6,7 +6,8 @@
 
 Settings: uncompressed, direct (4-bit forward / 8-bit backward, no error feedback, no lazy sampling), clapping-fc
 p=0.5 (q4/q8), clapping-fu p=0.5 (q4/q8) and auto (clapping-fc p=0.5 with ``autotune=True``), all with GPipe unless
-``--schedule`` says otherwise, on the 4-stage char-LM pipeline of ``benchmarks/slow_network.py``.
+``--schedule`` says otherwise, on the 4-stage char-LM pipeline of ``benchmarks/slow_network.py``;
+``--bottleneck 8:q8/q8`` adds the model with a trainable Bottleneck of width d/8 at every cut and q8 on its code.
 
 Training every setting to the target on every link would take hours here (uncompressed at 10 Mbit/s needs about 5 s a
 step), but the arithmetic of a run does not depend on the link (slow_network's runs reach identical losses on every
@@ -72,6 +73,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
     """The settings both phases share: the same variants (AQ-SGD left out), codecs, p and schedule."""
     flags = ["--no-aqsgd", "--p", f"{args.p:g}", "--forward-codec", args.forward_codec, "--backward-codec",
              args.backward_codec, "--schedule", args.schedule]
+    if args.bottleneck:
+        flags += ["--bottleneck", *args.bottleneck]
     return flags + (["--tiny"] if args.tiny else [])
 
 
@@ -396,6 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--p", type=float, default=0.5, help="lazy-sampling p of clapping-fc, clapping-fu and auto")
     ap.add_argument("--forward-codec", default="q4")
     ap.add_argument("--backward-codec", default="q8")
+    ap.add_argument("--bottleneck", nargs="*", default=[], metavar="N:FWD/BWD",
+                    help="also the model with a trainable Bottleneck of width d/N at every cut, direct compression "
+                         "with these codecs on its code (a model change), e.g. 8:q8/q8")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: slow_network --tiny (2 stages, tiny model; it runs neither clapping-fu nor "
                          "--fc-extra rows, so auto has no trajectory), a few steps")

@@ -3,11 +3,11 @@
 ``import lightning_clapping`` registers the strategy name, so ``Trainer(strategy="clapping")`` works afterwards.
 """
 
-from lightning_clapping.bottleneck import Bottleneck
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.ft import FaultTolerance
 from lightning_clapping.codecs.feedback import VARIANTS
+from lightning_clapping.pipeline.bottleneck import Bottleneck
 from lightning_clapping.pipeline.materialize import MaterializeError, building_on_meta, materialize_module
 from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
 from lightning_clapping.pipeline.stage import SplitError

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_clapping.bottleneck import Bottleneck
+from lightning_clapping.pipeline.bottleneck import Bottleneck
 
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
