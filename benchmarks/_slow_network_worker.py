@@ -66,7 +66,7 @@ def align_step_metrics(steps: list[dict], lag: int) -> list[dict]:
 
 
 def autotune_choice(choices: dict | None) -> dict[str, dict[str, str]] | None:
-    """What autotune picked (the strategy's ``_autotuned``: boundary -> Choice), as JSON: ``{"0": {"fwd": "q4",
+    """What autotune picked (the strategy's ``autotuned``: boundary -> Choice), as JSON: ``{"0": {"fwd": "q4",
     "bwd": "uncompressed"}, ...}``. A run's loss trajectory depends on it, so it is recorded with the run."""
     if not choices:
         return None
@@ -179,7 +179,7 @@ def worker(config_path: str) -> None:
         "rank": rank, "stage": stages - 1 - rank, "ifname": ifname, "steps": align_step_metrics(recorder.steps, lag),
         "metrics_lag": lag, "byte_totals": dict(totals) if totals else None, "vals": recorder.vals,
         "autotune": {k: float(x) for k, x in trainer.callback_metrics.items() if k.startswith("autotune/")},
-        "autotune_choice": autotune_choice(getattr(strategy, "_autotuned", None)),
+        "autotune_choice": autotune_choice(strategy.autotuned),
         "schedule": getattr(strategy, "schedule", None),
         "train_tx": recorder.train_tx, "train_rx": recorder.train_rx, "val_tx": recorder.val_tx,
         "val_rx": recorder.val_rx, "setup_seconds": t_fit - t_start, "fit_seconds": time.perf_counter() - t_fit,

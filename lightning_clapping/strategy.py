@@ -1,14 +1,13 @@
 """``ClappingStrategy``: the Lightning side of the pipeline.
 
 One process per stage of each data-parallel replica of the pipeline (:mod:`lightning_clapping.comm.replicas`). Every
-process runs the user's script and keeps only its own stage's tensors: a model built
-eagerly is cut after it was built (the other stages move to the meta device); one built in ``configure_model()`` or
-under ``trainer.init_module(empty_init=True)`` is built on the meta device and each rank materializes only its
-stage (:mod:`lightning_clapping.pipeline.materialize`). Each training step splits the batch into
-micro-batches, runs the schedule (forwards and backwards of all micro-batches, messages between neighbours), and
-hands Lightning a finished set of gradients: Lightning's own ``zero_grad`` and ``backward`` are turned into no-ops
-that still fire the user's hooks, and the optimizer step, schedulers, gradient clipping (by the norm of the *whole*
-model) and accumulation run as usual.
+process runs the user's script and keeps only its own stage's tensors: a model built eagerly is cut after it was built
+(the other stages move to the meta device); one built in ``configure_model()`` or under
+``trainer.init_module(empty_init=True)`` is built on the meta device and each rank materializes only its stage
+(:mod:`lightning_clapping.pipeline.materialize`). Each training step splits the batch into micro-batches, runs the
+schedule (forwards and backwards of all micro-batches, messages between neighbours), and hands Lightning a finished set
+of gradients: Lightning's own ``zero_grad`` and ``backward`` are turned into no-ops that still fire the user's hooks,
+and the optimizer step, schedulers, gradient clipping (by the norm of the *whole* model) and accumulation run as usual.
 
 With several replicas, each stage's gradients are averaged over its replicas before the optimizer step.
 The last stage of replica 0 runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics
@@ -204,6 +203,11 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
     def schedule(self) -> str:
         """The schedule that runs (autotune may switch it under ``schedule="auto"``)."""
         return self._tuning.schedule
+
+    @property
+    def autotuned(self) -> dict[int, Any] | None:
+        """Autotune's choice, ``{boundary: autotune.Choice}`` (``None`` before it decided, or without autotune)."""
+        return self._tuning.choices
 
     # ------------------------------------------------------------------ topology
     @property

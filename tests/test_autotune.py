@@ -522,7 +522,7 @@ def _fit_on_slow_links(out: str) -> None:
         trainer.fit(SequentialMLP(), datamodule=LazySamplingDataModule(DataLoader(TensorDataset(x, y), batch_size=32)))
         rules = {f"{b}{d}": [r.variant, r.codec.name, r.fresh_codec and r.fresh_codec.name]
                  for b in (0, 1) for d in ("fwd", "bwd") for r in [strategy._tuning.make_rule(b, d, training=True)]}
-        choices = {b: c.to_wire() for b, c in strategy._tuning.choices.items()}
+        choices = {b: c.to_wire() for b, c in strategy.autotuned.items()}
         Path(out, f"{run}_rank{trainer.global_rank}.json").write_text(json.dumps({"choices": choices, "rules": rules}))
 
 
