@@ -3,6 +3,7 @@
 ``import lightning_clapping`` registers the strategy name, so ``Trainer(strategy="clapping")`` works afterwards.
 """
 
+from lightning_clapping.codec_scheduler import CodecScheduler
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.ft import FaultTolerance
@@ -25,6 +26,7 @@ __all__ = [
     "BatchInfo",
     "ClappingStrategy",
     "Codec",
+    "CodecScheduler",
     "FaultTolerance",
     "LazySamplingDataModule",
     "LazySamplingLoader",

@@ -85,7 +85,8 @@ class StageCheckpoints:
                        tuning: Tuning) -> None:
         """How this run was cut and tuned: a resumed run uses the saved buffers only if it is cut the same way."""
         checkpoint["clapping"] = {"cut_points": list(partition.cut_points) if partition else [],
-                                  "num_stages": num_stages, "autotune": tuning.to_wire()}
+                                  "num_stages": num_stages, "autotune": tuning.to_wire(),
+                                  "codecs": tuning.codecs_wire()}
 
     def complete_full(self, checkpoint: dict[str, Any], feedback: dict[str, Any], placement: Placement,
                       module: pl.LightningModule, filepath: Any) -> None:
@@ -189,7 +190,7 @@ def restore_feedback(checkpoint: dict[str, Any], partition: Partition | None, ex
                 "they are not used and restart empty (the first messages go in full precision)."
             )
         return
-    tuning.restore(saved.get("autotune"), executor)  # the saved run's choice, so that its buffers fit the rules
+    tuning.restore(saved.get("autotune"), executor, saved.get("codecs"))  # so that its buffers fit the rules
     for name, state in checkpoint.get("clapping_feedback", {}).get(feedback_key(placement), {}).items():
         rule = executor.rules.get(name)
         if rule is not None:

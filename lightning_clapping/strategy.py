@@ -9,9 +9,9 @@ schedule (forwards and backwards of all micro-batches, messages between neighbou
 of gradients: Lightning's own ``zero_grad`` and ``backward`` are turned into no-ops that still fire the user's hooks,
 and the optimizer step, schedulers, gradient clipping (by the norm of the *whole* model) and accumulation run as usual.
 
-With several replicas, each stage's gradients are averaged over its replicas before the optimizer step.
-The last stage of replica 0 runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics
-first-hand; the other ranks get the same values through :mod:`lightning_clapping.log_relay`.
+With several replicas, each stage's gradients are averaged over its replicas before the optimizer step. The last stage
+of replica 0 runs on global rank 0, so loggers and the progress bar, which act on rank 0, see the metrics first-hand;
+the other ranks get the same values through :mod:`lightning_clapping.log_relay`.
 
 The class is Lightning's hooks, each handing its work to a room: :mod:`.options`, :mod:`.launcher`,
 :mod:`.stage_setup`, :mod:`.step_driver`, :mod:`.tuning` (message rules, autotune), :mod:`.collectives`,
@@ -116,17 +116,15 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         freeze_rng: seed each micro-batch's forward from the batch's identity, so dropout masks repeat while a
             batch is reused (lazy sampling) and differ between batches.
         log_bytes: log per step the bytes each boundary sent per direction (``clapping/b{m}_fwd_bytes``,
-            ``clapping/b{m}_bwd_bytes``, ``clapping/bytes``), the compression ratio against fp32
-            (``clapping/ratio``, also on the progress bar), the relative norm of the compressed differences
-            (``clapping/fwd_rel_diff``, ``clapping/bwd_rel_diff``) and the error-feedback memory
-            (``clapping/feedback_bytes``).
+            ``clapping/b{m}_bwd_bytes``, ``clapping/bytes``), the compression ratio against fp32 (``clapping/ratio``,
+            also on the progress bar), the relative norm of the compressed differences (``clapping/fwd_rel_diff``,
+            ``clapping/bwd_rel_diff``) and the error-feedback memory (``clapping/feedback_bytes``).
         state_dict_type: ``"full"`` (default): checkpoints are one ordinary Lightning file, gathered on rank 0 (which
-            then needs memory for the whole model), and after each run the launching process's module holds the
-            whole trained model. ``"sharded"``: every stage writes its own tensors, in parallel, into a
-            ``torch.distributed.checkpoint`` folder in Lightning's FSDP layout (no rank ever holds more than its
-            stage); the module in the launching process keeps only its own stage after a run, and the trained model
-            is in the checkpoint (``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` makes one
-            file of it).
+            then needs memory for the whole model), and after each run the launching process's module holds the whole
+            trained model. ``"sharded"``: every stage writes its own tensors, in parallel, into a
+            ``torch.distributed.checkpoint`` folder in Lightning's FSDP layout (no rank ever holds more than its stage);
+            the module in the launching process keeps only its own stage after a run, and the trained model is in the
+            checkpoint (``python -m lightning.pytorch.utilities.consolidate_checkpoint FOLDER`` makes one file of it).
         start_method: only ``"popen"``; spawn and fork are refused with the reason.
         activation_checkpointing: recompute activations in backward instead of keeping them, per stage: ``True`` for
             the model's blocks, or a set of module classes (see :mod:`lightning_clapping.pipeline.recompute`); the
@@ -209,6 +207,10 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         """Autotune's choice, ``{boundary: autotune.Choice}`` (``None`` before it decided, or without autotune)."""
         return self._tuning.choices
 
+    def set_codecs(self, forward_codec: Any, backward_codec: Any) -> None:
+        """The training messages' codecs from the next step on (see :class:`~lightning_clapping.CodecScheduler`)."""
+        self._tuning.set_codecs(forward_codec, backward_codec, self.executor)
+
     # ------------------------------------------------------------------ topology
     @property
     def is_distributed(self) -> bool:
@@ -216,8 +218,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
 
     @property
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return self.parallel_devices[self.local_rank]  # type: ignore[index]  # set by the connector before use
 
     @property
     def num_nodes(self) -> int:
@@ -264,12 +265,11 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
 
     @property
     def world_size(self) -> int:
-        """Data-parallel replicas of the pipeline. This is ``trainer.world_size``, what code that divides a global
-        batch size by the number of model replicas reads, as under DDP (every stage of a replica sees the same whole
-        batch). The number of processes is :attr:`num_ranks`. Lightning's per-step broadcast of its SIGTERM flag
-        (and the one from its signal handler: a collective that a stage blocked in a pipeline transfer never joins)
-        is turned off in :meth:`setup`: a preempted run's processes each get the signal from the launcher or the
-        scheduler and stop."""
+        """Data-parallel replicas of the pipeline. This is ``trainer.world_size``, what code that divides a global batch
+        size by the number of model replicas reads, as under DDP (every stage of a replica sees the same whole batch).
+        The number of processes is :attr:`num_ranks`. Lightning's per-step broadcast of its SIGTERM flag (and the one
+        from its signal handler: a collective that a stage blocked in a pipeline transfer never joins) is turned off in
+        :meth:`setup`: a preempted run's processes each get the signal from the launcher or the scheduler and stop."""
         return self.num_replicas
 
     @property

@@ -4,6 +4,9 @@ With ``autotune=True`` the links are measured after the second training step (:m
 rank 0 decides, and every rank rebuilds its training rules from the choice (and, with ``schedule="auto"``, switches
 schedule) before the next step. The choice is kept for the rest of the run, saved in checkpoints, and adopted again
 when a run resumes, so that the saved error-feedback buffers fit the rules.
+
+A codec schedule (:class:`~lightning_clapping.CodecScheduler`, through ``ClappingStrategy.set_codecs``) replaces the
+options' codecs of the training messages between two steps; the codecs in force are saved and adopted the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_clapping.autotune import tune as autotune
+from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import MessageRule
 from lightning_clapping.comm import safe_objects
 from lightning_clapping.comm.placement import Placement
@@ -35,6 +39,7 @@ class Tuning:
     def __init__(self, options: ClappingOptions) -> None:
         self.options = options
         self.choices: dict[int, Any] | None = None
+        self.codecs: dict[str, Any] | None = None  # {"fwd": Codec, "bwd": Codec} of a codec schedule, else None
         self.schedule = options.schedule
         self.train_steps = 0
 
@@ -56,6 +61,7 @@ class Tuning:
             variant = "direct" if o.compress_eval else "uncompressed"
         else:
             variant = o.variant
+            codec = self.codecs[direction] if self.codecs is not None else codec
         return MessageRule(variant, codec, boundary, direction, warm_start=o.warm_start,
                            store_dtype=o.sample_store_dtype, lazy_threshold=o.lazy_messages,
                            max_skips=o.max_skips, fresh_codec=fresh)
@@ -106,11 +112,33 @@ class Tuning:
             self.schedule = chosen
             executor.schedule_fn = get_schedule(chosen)
 
+    def set_codecs(self, forward: Any, backward: Any, executor: PipelineExecutor | None) -> None:
+        """The training messages' codecs from the next step on, on every boundary the options compress (every rank
+        between the same two steps: the rebuilt rules start with empty feedback buffers at both ends)."""
+        if self.options.variant == "uncompressed" or self.options.autotune:
+            raise ValueError(
+                "set_codecs (a codec schedule) changes the codecs of a compressed variant that autotune does not "
+                f"choose; this run has variant={self.options.variant!r}, autotune={bool(self.options.autotune)}: "
+                "pass variant='clapping-fc' (or another compressed variant) and leave autotune off")
+        codecs = {"fwd": get_codec(forward), "bwd": get_codec(backward)}
+        if self.codecs is not None and self.codecs_wire() == [codecs["fwd"].name, codecs["bwd"].name]:
+            return
+        self.codecs = codecs
+        if executor is not None:
+            executor.rebuild_rules(training_only=True)
+
+    def codecs_wire(self) -> list[str] | None:
+        """The scheduled codecs' names as a checkpoint keeps them (``None``: the options' codecs)."""
+        return None if self.codecs is None else [self.codecs["fwd"].name, self.codecs["bwd"].name]
+
     def to_wire(self) -> list[Any] | None:
         """The choice as a checkpoint keeps it (``None`` before autotune decided)."""
         return [c.to_wire() for c in self.choices.values()] if self.choices else None
 
-    def restore(self, wire: list[Any] | None, executor: PipelineExecutor) -> None:
-        """A resumed run adopts the saved run's choice, so that its error-feedback buffers fit the rules."""
+    def restore(self, wire: list[Any] | None, executor: PipelineExecutor, codecs: list[str] | None = None) -> None:
+        """A resumed run adopts the saved run's choice and scheduled codecs, so that its error-feedback buffers fit
+        the rules."""
+        if codecs and not self.options.autotune and self.options.variant != "uncompressed":
+            self.set_codecs(codecs[0], codecs[1], executor)
         if self.options.autotune and wire:
             self.adopt({w[0]: autotune.Choice.from_wire(w) for w in wire}, executor)
