@@ -14,7 +14,7 @@ import torch
 
 from _machine import describe
 
-from _quality_tasks import BOTTLENECK, TASKS
+from _quality_tasks import BOTTLENECK, SCHEDULED, TASKS
 
 #: tolerances of the targets, per task: (clapping-fu, clapping-fc at >= 16x); accuracy in points, loss in percent
 TOLERANCE = {"fashion_mnist": (1.0, 2.0), "shakespeare": (2.0, 4.0)}
@@ -83,6 +83,7 @@ def aggregate(records: list[dict], order: list[str] | None = None) -> list[dict]
         aggs.append({
             "task": task, "label": label, "variant": first["variant"], "p": first["p"], "setting": first["setting"],
             "model_change": first["setting"] in BOTTLENECK,
+            "scheduled": first["setting"] in SCHEDULED,  # codecs that change during the run (not autotune's to pick)
             "fwd": first["fwd"], "bwd": first["bwd"], "fresh": first.get("fresh"), "steps": steps, "seeds": len(runs),
             "eval_samples": first["eval_samples"],
             "metric_mean": _mean(metrics), "metric_std": _std(metrics),

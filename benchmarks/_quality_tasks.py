@@ -107,6 +107,12 @@ class MLP(L.LightningModule):
 #: codec settings of benchmarks/quality.py that change the model: the divisor of the width of the Bottleneck
 #: inserted at every cut (see with_bottlenecks)
 BOTTLENECK = {"bn4": 4, "bn4 q8": 4, "bn4 moderate": 4, "bn8": 8, "bn8 q8": 8, "bn8 moderate": 8, "bn16 moderate": 16}
+#: codec settings of benchmarks/quality.py scheduled over training (lightning_clapping.CodecScheduler): the fraction of
+#: the steps after which the codecs change, and the (forward, backward) codecs from then on
+SCHEDULED: dict[str, tuple[float, tuple[str, str]]] = {
+    "q1 then moderate": (0.8, ("q4", "q8")),
+    "aggressive then moderate": (0.75, ("q4", "q8")),
+}
 
 
 def _char_transformer():

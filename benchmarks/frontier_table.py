@@ -31,10 +31,11 @@ def build(results: dict[str, Any]) -> dict[str, Any]:
         settings = results["mode_settings"]["tasks"].get(task, {})
         tasks[task] = {"metric": results["tasks"][task]["metric"], "unit": front["unit"],
                        "steps": settings.get("steps")}
-    # autotune chooses codecs, never a model change (a Bottleneck the user inserts): those runs are left out, and
-    # the frontier is that of the codec settings alone
+    # autotune chooses fixed codecs, never a model change (a Bottleneck the user inserts) nor a schedule over the
+    # run: those runs are left out, and the frontier is that of the fixed codec settings alone
     choosable = [a for a in results["aggregates"]
-                 if not a.get("model_change") and a["deficit_vs_uncompressed"] is not None and a["bytes_ratio"]]
+                 if not a.get("model_change") and not a.get("scheduled") and a["deficit_vs_uncompressed"] is not None
+                 and a["bytes_ratio"]]
 
     def beaten(a: dict[str, Any]) -> bool:
         ra, da = a["bytes_ratio"], a["deficit_vs_uncompressed"]

@@ -17,13 +17,15 @@ Variants, each at two codec settings (forward / backward codec):
 * aggressive: ``q2`` / ``q4``   (2-bit activations, 4-bit gradients)
 
 Frontier configurations beyond that grid (``FRONTIER_CONFIGS``), aiming at >= 20x fewer bytes than uncompressed:
-``clapping-fc p=0.25 topk`` (the 10 % largest values, 4-bit, both directions) and ``clapping-fu`` with random 10 %
-of the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 or q3 with fp16 scales) at p = 0.5
-and 0.25; ``clapping-fc`` with low-rank factors (``lowrank:2/4/8``, both directions) at p = 0.5 and ``direct`` with
+``clapping-fc p=0.25 topk`` (the 10 % largest values, 4-bit, both directions) and ``clapping-fu`` with random 10 % of
+the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 or q3 with fp16 scales) at p = 0.5 and
+0.25; ``clapping-fc`` with low-rank factors (``lowrank:2/4/8``, both directions) at p = 0.5 and ``direct`` with
 ``lowrank:4``, the same codec without feedback; one bit per value (``q1`` both ways, about 30x) plain, under EF21 and
 under Clapping-FC; and an opt-in model change, a trainable ``lightning_clapping.Bottleneck`` of width / 4, / 8 or / 16
-at every cut (``bn4``, ``bn8``, ``bn16``), alone and with codecs on its code. The report draws the bytes-quality
-frontier of every configuration and judges the 20x goal (within 1 point / 2 %) for each.
+at every cut (``bn4``, ``bn8``, ``bn16``), alone and with codecs on its code; and codecs scheduled over training
+(``lightning_clapping.CodecScheduler``): ``q1 then moderate`` (one bit until 80 % of the steps, then q4/q8, direct and
+Clapping-FC) and ``aggressive then moderate`` (q2/q4, then q4/q8 for the last quarter). The report draws the
+bytes-quality frontier of every configuration and judges the 20x goal (within 1 point / 2 %) for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
@@ -70,7 +72,7 @@ torch.set_num_threads(1)  # four stage processes share a small CPU
 import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
-from _quality_tasks import BOTTLENECK, TASKS  # noqa: E402
+from _quality_tasks import BOTTLENECK, SCHEDULED, TASKS  # noqa: E402
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -96,6 +98,10 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "bn8 q8": ("q8", "q8", None),
     "bn8 moderate": ("q4", "q8", None),
     "bn16 moderate": ("q4", "q8", None),
+    # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's (see
+    # _quality_tasks)
+    "q1 then moderate": ("q1", "q1", None),
+    "aggressive then moderate": ("q2", "q4", None),
 }
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
@@ -127,6 +133,10 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn8 moderate"),
     ("clapping-fc", 0.5, "bn8 moderate"),
     ("direct", 1.0, "bn16 moderate"),
+    # coarse while the loss falls fast, q4/q8 for the last fifth / quarter of the steps
+    ("direct", 1.0, "q1 then moderate"),
+    ("clapping-fc", 0.5, "q1 then moderate"),
+    ("clapping-fc", 0.5, "aggressive then moderate"),
 ]
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
@@ -316,6 +326,14 @@ def samples_drawn_plain(steps: int, n: int, batch: int) -> int:
     return epochs * n + min(rest * batch, n)
 
 
+def scheduler(cfg: RunConfig) -> list[lightning_clapping.CodecScheduler]:
+    """The codec schedule of a scheduled setting (none otherwise): its second codecs from that fraction of the steps."""
+    if cfg.setting not in SCHEDULED:
+        return []
+    fraction, pair = SCHEDULED[cfg.setting]
+    return [lightning_clapping.CodecScheduler({round(fraction * cfg.steps): pair})]
+
+
 def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     """One ``Trainer.fit`` on every rank; returns the record on rank 0, None elsewhere."""
     task = TASKS[cfg.task]
@@ -336,7 +354,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
         val_check_interval=cfg.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         gradient_clip_val=task.gradient_clip_val, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[recorder])
+        callbacks=[recorder] + scheduler(cfg))
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)
     wall = time.perf_counter() - t0
@@ -412,6 +430,8 @@ def meta(args: argparse.Namespace) -> dict:
         "mode_settings": MODES[args.mode],
         "steps_scale": args.steps_scale,
         "codec_settings": {k: {"forward": f, "backward": b, "fresh": fr} for k, (f, b, fr) in CODEC_SETTINGS.items()},
+        "scheduled_settings": {k: {"after_fraction": f, "forward": a, "backward": b} for k, (f, (a, b)) in
+                               SCHEDULED.items()},
         "grid_settings": list(GRID_SETTINGS),
         "frontier_configs": [config_label(v, p, st) for v, p, st in FRONTIER_CONFIGS],
         "lazy_sampling_p": [0.5, SMALL_P],

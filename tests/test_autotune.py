@@ -428,19 +428,21 @@ def test_the_packaged_frontier_table_is_the_one_the_committed_results_give():
     assert {(s["variant"], s["fwd"], s["bwd"]) for s in load_table()["settings"]} >= {("direct", "q4", "q8")}
 
 
-def test_the_frontier_table_leaves_model_changes_out():
-    """autotune chooses codecs: a Bottleneck run (a model change) is neither a setting nor what beats one."""
+def test_the_frontier_table_leaves_model_changes_and_schedules_out():
+    """autotune chooses fixed codecs: a Bottleneck run (a model change) or a codec schedule is neither a setting nor
+    what beats one."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import frontier_table
 
-    def agg(label, ratio, deficit, model_change=False):
+    def agg(label, ratio, deficit, model_change=False, scheduled=False):
         return {"task": "shakespeare", "label": label, "variant": "direct", "p": 1.0, "fwd": "q4", "bwd": label,
                 "fresh": None, "bytes_ratio": ratio, "deficit_vs_uncompressed": deficit, "seeds": 3,
-                "model_change": model_change}
+                "model_change": model_change, "scheduled": scheduled}
 
     results = {"mode": "standard", "mode_settings": {"tasks": {"shakespeare": {"steps": 120}}},
                "tasks": {"shakespeare": {"metric": "val_loss"}}, "frontier": {"shakespeare": {"unit": "%"}},
-               "aggregates": [agg("q8", 5.0, 0.2), agg("q2", 10.0, 9.0), agg("bn8", 31.0, 0.4, model_change=True)]}
+               "aggregates": [agg("q8", 5.0, 0.2), agg("q2", 10.0, 9.0), agg("bn8", 31.0, 0.4, model_change=True),
+                              agg("q1 then q8", 12.0, 0.1, scheduled=True)]}
     table = frontier_table.build(results)
     assert [(s["config"], s["frontier"]) for s in table["settings"]] == [("q2", ["shakespeare"]),
                                                                          ("q8", ["shakespeare"])]
