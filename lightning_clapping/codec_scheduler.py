@@ -41,10 +41,7 @@ class CodecScheduler(pl.Callback):
             if isinstance(pair, (str, Codec)) or not isinstance(pair, Sequence) or len(pair) != 2:
                 raise ValueError(f"CodecScheduler: step {step} must map to (forward_codec, backward_codec), e.g. "
                                  f"('q4', 'q8'); got {pair!r}")
-            try:
-                steps[step] = (get_codec(pair[0]), get_codec(pair[1]))
-            except (ValueError, TypeError, KeyError) as err:
-                raise ValueError(f"CodecScheduler: step {step}: {err}") from err
+            steps[step] = (_by_name(pair[0], step), _by_name(pair[1], step))
         self.scheduling = dict(sorted(steps.items()))
 
     def codecs_at(self, step: int) -> tuple[Codec, Codec] | None:
@@ -68,3 +65,17 @@ class CodecScheduler(pl.Callback):
         pair = self.codecs_at(trainer.global_step)
         if pair is not None:  # the same codecs as in force change nothing (a resumed run keeps its buffers)
             trainer.strategy.set_codecs(*pair)  # type: ignore[attr-defined]
+
+
+def _by_name(spec: str | Codec, step: int) -> Codec:
+    """The codec, if its name gives it back: a checkpoint keeps the codecs in force by name."""
+    try:
+        codec = get_codec(spec)
+        again = get_codec(codec.name)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"CodecScheduler: step {step}: {err}") from err
+    if type(again) is not type(codec) or again.name != codec.name:
+        raise ValueError(f"CodecScheduler: step {step}: the codec {codec!r} cannot be built again from its name "
+                         f"{codec.name!r}, which is what a checkpoint keeps; register it with "
+                         "lightning_clapping.register_codec, or pass its registry string")
+    return codec

@@ -208,7 +208,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrate
         return self._tuning.choices
 
     def set_codecs(self, forward_codec: Any, backward_codec: Any) -> None:
-        """The training messages' codecs from the next step on (see :class:`~lightning_clapping.CodecScheduler`)."""
+        """Training codecs from the next step on; every rank calls it between the same two steps (CodecScheduler)."""
         self._tuning.set_codecs(forward_codec, backward_codec, self.executor)
 
     # ------------------------------------------------------------------ topology

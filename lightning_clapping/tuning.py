@@ -121,11 +121,18 @@ class Tuning:
                 f"choose; this run has variant={self.options.variant!r}, autotune={bool(self.options.autotune)}: "
                 "pass variant='clapping-fc' (or another compressed variant) and leave autotune off")
         codecs = {"fwd": get_codec(forward), "bwd": get_codec(backward)}
-        if self.codecs is not None and self.codecs_wire() == [codecs["fwd"].name, codecs["bwd"].name]:
-            return
+        same = self._in_force() == [codecs["fwd"].name, codecs["bwd"].name]
         self.codecs = codecs
-        if executor is not None:
+        if executor is not None and not same:  # the same codecs keep their rules and buffers
             executor.rebuild_rules(training_only=True)
+
+    def _in_force(self) -> list[str] | None:
+        """The names of the training codecs in force, if one pair holds on every compressed boundary."""
+        if self.codecs is not None:
+            return self.codecs_wire()
+        fwd, bwd = self.options.forward_codec, self.options.backward_codec
+        return None if isinstance(fwd, dict) or isinstance(bwd, dict) else [getattr(fwd, "name", None),
+                                                                           getattr(bwd, "name", None)]
 
     def codecs_wire(self) -> list[str] | None:
         """The scheduled codecs' names as a checkpoint keeps them (``None``: the options' codecs)."""
@@ -140,5 +147,8 @@ class Tuning:
         the rules."""
         if codecs and not self.options.autotune and self.options.variant != "uncompressed":
             self.set_codecs(codecs[0], codecs[1], executor)
+        elif not codecs and self.codecs is not None:  # saved with the options' codecs (before a switch)
+            self.codecs = None
+            executor.rebuild_rules(training_only=True)
         if self.options.autotune and wire:
             self.adopt({w[0]: autotune.Choice.from_wire(w) for w in wire}, executor)

@@ -27,6 +27,43 @@ def test_scheduling_is_checked_when_built():
     assert CodecScheduler({3: ("q4", "q8")}).codecs_at(2) is None  # before the first key: the strategy's codecs
 
 
+def test_a_codec_its_name_does_not_give_back_is_refused():
+    from lightning_clapping.codecs.quant import QuantCodec
+
+    class Mine(QuantCodec):  # a user's codec, not registered: it keeps the name of the q4 it derives from
+        pass
+
+    with pytest.raises(ValueError, match="register_codec"):
+        CodecScheduler({1: (Mine(4), "q8")})
+
+
+class _Executor:
+    def __init__(self) -> None:
+        self.rebuilds = 0
+
+    def rebuild_rules(self, training_only: bool = False) -> None:
+        assert training_only
+        self.rebuilds += 1
+
+
+def test_the_rules_are_rebuilt_only_when_the_codecs_in_force_change():
+    from lightning_clapping.tuning import Tuning
+
+    tuning, ex = Tuning(ClappingStrategy(variant="clapping-fc", forward_codec="q8", backward_codec="q8").options), \
+        _Executor()
+    tuning.set_codecs("q8", "q8", ex)  # the strategy's own codecs: rules and buffers kept
+    assert ex.rebuilds == 0
+    tuning.set_codecs("q2", "q2", ex)
+    tuning.set_codecs("q2", "q2", ex)
+    assert ex.rebuilds == 1 and tuning.codecs_wire() == ["q2", "q2"]
+    tuning.restore(None, ex, None)  # a checkpoint saved before the switch: back to the strategy's codecs
+    assert tuning.codecs is None and ex.rebuilds == 2
+    tuning.restore(None, ex, ["q2", "q2"])
+    assert tuning.codecs_wire() == ["q2", "q2"] and ex.rebuilds == 3
+    with pytest.raises(ValueError, match="autotune=True"):
+        Tuning(ClappingStrategy(variant="clapping-fc", autotune=True).options).set_codecs("q4", "q8", ex)
+
+
 @pytest.mark.parametrize("kwargs, words", [({"variant": "uncompressed"}, "variant='uncompressed'"),
                                            ({"variant": "clapping-fc", "autotune": True}, "autotune=True")])
 def test_a_run_the_schedule_cannot_change_is_refused_before_it_starts(kwargs, words):
