@@ -248,10 +248,21 @@ class Watchdog:
         return self._store.key(kind, rank)
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
-        return self._store.call(fn)
+        return self._timed(lambda: self._store.call(fn))
 
     def _read(self, kind: str, rank: int | None = None) -> str | None:
-        return self._store.read(kind, rank)
+        return self._timed(lambda: self._store.read(kind, rank))
+
+    def _timed(self, run: Callable[[], Any]) -> Any:
+        # a call that kept this rank waiting bound / 2 or more: the store was slow for every rank, so the peers'
+        # beats could not land either, and the timers restart when it returns (before the beats read next count)
+        began = time.monotonic()
+        try:
+            return run()
+        finally:
+            ended = time.monotonic()
+            if ended - began > self.bound / 2:
+                self._grace_at = max(self._grace_at, ended)
 
     def _check_serving(self) -> bool:
         """On the store's host: whether this process holds the store's listening socket (True where /proc, or the
