@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_clapping.codecs import Codec, get_codec
+from lightning_clapping.tuning import check_schedulable
 
 __all__ = ["CodecScheduler"]
 
@@ -53,12 +54,7 @@ class CodecScheduler(pl.Callback):
         if not callable(getattr(trainer.strategy, "set_codecs", None)):
             raise ValueError(f"CodecScheduler schedules the codecs of ClappingStrategy; this Trainer runs "
                              f"{type(trainer.strategy).__name__}: pass strategy=ClappingStrategy(...)")
-        options: Any = getattr(trainer.strategy, "options", None)
-        if options is not None and (options.variant == "uncompressed" or options.autotune):
-            raise ValueError(f"CodecScheduler changes the codecs of a compressed variant that autotune does not "
-                             f"choose; this strategy has variant={options.variant!r}, autotune="
-                             f"{bool(options.autotune)}: pass variant='clapping-fc' (or another compressed "
-                             "variant) and leave autotune off, or drop the callback")
+        check_schedulable(trainer.strategy.options)  # type: ignore[attr-defined]
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -29,6 +29,22 @@ from lightning_clapping.pipeline.schedule import SCHEDULES, get_schedule
 TUNE_AFTER_STEPS = 2  # the first step builds the buffers and announces the shapes; the second is a steady one
 
 
+def schedulable(options: ClappingOptions) -> bool:
+    """Whether a codec schedule may change the run's codecs: a compressed variant whose codecs autotune does not
+    choose."""
+    return options.variant != "uncompressed" and not options.autotune
+
+
+def check_schedulable(options: ClappingOptions) -> None:
+    """Refuse a codec schedule (``CodecScheduler``, ``set_codecs``) where :func:`schedulable` says no."""
+    if not schedulable(options):
+        raise ValueError(
+            "a codec schedule (CodecScheduler, ClappingStrategy.set_codecs) changes the codecs of a compressed variant "
+            f"that autotune does not choose; this run has variant={options.variant!r}, autotune="
+            f"{bool(options.autotune)}: pass variant='clapping-fc' (or another compressed variant) and leave autotune "
+            "off, or drop the schedule")
+
+
 class Tuning:
     """The message rules of a run and autotune's choice of them (kept across the Trainer's runs, like the options).
 
@@ -115,11 +131,7 @@ class Tuning:
     def set_codecs(self, forward: Any, backward: Any, executor: PipelineExecutor | None) -> None:
         """The training messages' codecs from the next step on, on every boundary the options compress (every rank
         between the same two steps: the rebuilt rules start with empty feedback buffers at both ends)."""
-        if self.options.variant == "uncompressed" or self.options.autotune:
-            raise ValueError(
-                "set_codecs (a codec schedule) changes the codecs of a compressed variant that autotune does not "
-                f"choose; this run has variant={self.options.variant!r}, autotune={bool(self.options.autotune)}: "
-                "pass variant='clapping-fc' (or another compressed variant) and leave autotune off")
+        check_schedulable(self.options)
         codecs = {"fwd": get_codec(forward), "bwd": get_codec(backward)}
         same = self._in_force() == [codecs["fwd"].name, codecs["bwd"].name]
         self.codecs = codecs
@@ -145,7 +157,7 @@ class Tuning:
     def restore(self, wire: list[Any] | None, executor: PipelineExecutor, codecs: list[str] | None = None) -> None:
         """A resumed run adopts the saved run's choice and scheduled codecs, so that its error-feedback buffers fit
         the rules."""
-        if codecs and not self.options.autotune and self.options.variant != "uncompressed":
+        if codecs and schedulable(self.options):
             self.set_codecs(codecs[0], codecs[1], executor)
         elif not codecs and self.codecs is not None:  # saved with the options' codecs (before a switch)
             self.codecs = None
