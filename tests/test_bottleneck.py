@@ -79,3 +79,20 @@ def test_a_bottleneck_starts_as_an_orthogonal_projection_and_refuses_bad_sizes()
         Bottleneck(8, 0)
     with pytest.raises(ValueError, match="last dimension is 7"):
         b(torch.randn(2, 7))
+
+
+def test_a_rescaled_bottleneck_keeps_an_even_input_s_energy_with_balanced_halves():
+    torch.manual_seed(0)
+    x = torch.randn(20000, 64)
+    energy = x.pow(2).sum(-1).mean()
+    with torch.no_grad():
+        plain, rescaled = Bottleneck(64, 8), Bottleneck(64, 8, init="rescaled")
+        # the projection keeps rank / features of it, the rescaled start all of it (within sampling noise)
+        torch.testing.assert_close(plain(x).pow(2).sum(-1).mean() / energy, torch.tensor(8 / 64), atol=0.01, rtol=0)
+        torch.testing.assert_close(rescaled(x).pow(2).sum(-1).mean() / energy, torch.tensor(1.0), atol=0.05, rtol=0)
+        # both halves carry the same gain, (64 / 8) ** 0.25, in every direction they use
+        for half in (rescaled.down.weight, rescaled.up.weight):
+            torch.testing.assert_close(torch.linalg.svdvals(half), torch.full((8,), 8 ** 0.25), atol=1e-5, rtol=0)
+    assert "init='rescaled'" in repr(rescaled)
+    with pytest.raises(ValueError, match="init must be one of 'projection', 'rescaled'"):
+        Bottleneck(64, 8, init="xavier")

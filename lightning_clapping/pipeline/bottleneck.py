@@ -13,8 +13,13 @@ strategy) runs through the same projection it was trained with. It constrains wh
 ``rank``-dimensional subspace that training learns; whether that costs quality is the model's business, and
 BENCHMARKS.md measures it on the project's quality tasks.
 
-At initialisation ``down`` has orthonormal rows and ``up`` is its transpose, so ``up(down(x))`` starts as an
-orthogonal projection onto a random ``rank``-dimensional subspace (no rescaling of what passes through).
+At initialisation ``down`` has orthonormal rows and ``up`` is its transpose. With ``init="projection"`` (the
+default) ``up(down(x))`` starts as an orthogonal projection onto a random ``rank``-dimensional subspace: an input
+spread evenly over its ``features`` directions keeps ``rank / features`` of its energy. With ``init="rescaled"`` both
+halves are multiplied by ``(features / rank) ** 0.25`` (balanced, so neither half's gradients dominate), which makes
+``up(down(x))`` that projection times ``sqrt(features / rank)``: such an input keeps its expected squared norm. Which
+one trains better is the model's business (BENCHMARKS.md section 1 measures both: the rescaled start suits an MLP
+cut after its ReLUs, the projection suits a transformer's residual stream).
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+INITS = ("projection", "rescaled")
+
 __all__ = ["Bottleneck"]
 
 
 class Bottleneck(nn.Module):
     """``up(down(x))`` with ``down: features -> rank`` and ``up: rank -> features``, both linear without bias."""
 
-    def __init__(self, features: int, rank: int) -> None:
+    def __init__(self, features: int, rank: int, init: str = "projection") -> None:
         super().__init__()
         for name, value in (("features", features), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -38,7 +45,9 @@ class Bottleneck(nn.Module):
                 f"Bottleneck: rank {rank} must be smaller than features {features}; a bottleneck that is not "
                 f"narrower than its input saves nothing on the wire (leave the model as it is instead)"
             )
-        self.features, self.rank = features, rank
+        if init not in INITS:
+            raise ValueError(f"Bottleneck: init must be one of {', '.join(map(repr, INITS))}, got {init!r}")
+        self.features, self.rank, self.init = features, rank, init
         self.down = nn.Linear(features, rank, bias=False)
         self.up = nn.Linear(rank, features, bias=False)
         self.reset_parameters()
@@ -47,6 +56,10 @@ class Bottleneck(nn.Module):
         with torch.no_grad():
             nn.init.orthogonal_(self.down.weight)  # [rank, features] with orthonormal rows
             self.up.weight.copy_(self.down.weight.t())
+            if self.init == "rescaled":
+                gain = (self.features / self.rank) ** 0.25
+                self.down.weight.mul_(gain)
+                self.up.weight.mul_(gain)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.features:
@@ -57,4 +70,4 @@ class Bottleneck(nn.Module):
         return self.up(self.down(x))
 
     def extra_repr(self) -> str:
-        return f"features={self.features}, rank={self.rank}"
+        return f"features={self.features}, rank={self.rank}, init={self.init!r}"
