@@ -23,7 +23,11 @@ class LazySamplingLoader(LazySampler):
 
     Args:
         source: a ``torch.utils.data.DataLoader`` (map-style or iterable dataset) or any iterable of batches.
-        p: probability of a fresh batch at a step, in (0, 1]; ``p = 1`` reproduces ``source`` exactly.
+        p: probability of a fresh batch at a step, in (0, 1]; ``p = 1`` reproduces ``source`` exactly. Or a
+            schedule ``{first_step: p}`` that must name step 0, e.g. ``{0: 0.5, 2000: 1.0}``: its steps count the
+            batches the loader has yielded since training began (optimizer steps times ``accumulate_grad_batches``),
+            and each p holds from its step to the next entry's. Decisions still depend on (seed, step) only, so
+            stages agree and a resumed run repeats the uninterrupted one.
         seed: seed of the decision stream; every pipeline stage must use the same one.
         num_replicas, replica_rank: data-parallel replicas. With ``num_replicas > 1`` a map-style ``source`` is
             sharded like ``DistributedSampler(shuffle=<source shuffles>, seed=seed)``; decisions ignore the rank.
@@ -75,8 +79,8 @@ class LazySamplingDataModule(LightningDataModule):
                     "predict_dataloader", "transfer_batch_to_device", "on_before_batch_transfer",
                     "on_after_batch_transfer")
 
-    def __init__(self, datamodule_or_train_dataloader: Any, p: float = 0.5, seed: int = 0, num_replicas: int = 1,
-                 replica_rank: int = 0) -> None:
+    def __init__(self, datamodule_or_train_dataloader: Any, p: float | dict[int, float] = 0.5, seed: int = 0,
+                 num_replicas: int = 1, replica_rank: int = 0) -> None:
         super().__init__()
         self.p, self.seed, self.num_replicas, self.replica_rank = check_settings(p, seed, num_replicas, replica_rank)
         wrapped = datamodule_or_train_dataloader

@@ -95,7 +95,7 @@ class Tuning:
         """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
         o, trainer, tune = self.options, module.trainer, self.options.autotune_settings
         lazy = find_lazy_loader(trainer)
-        p = 1.0 if lazy is None else float(lazy.p)
+        p = 1.0 if lazy is None else lazy.p_at(lazy.step)  # a schedule of p: the p in force when autotune runs
         first = autotune.first_visit_fraction(  # batches: this run's so far, an epoch's, the whole run's
             p, self.train_steps, trainer.num_training_batches,
             trainer.estimated_stepping_batches * trainer.accumulate_grad_batches) if o.variant == "aqsgd" else 0.0

@@ -3,11 +3,12 @@ the last two yields: Lightning fetches one batch ahead of a source without lengt
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,10 +42,30 @@ class BatchInfo:
     step: int
 
 
-def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> tuple[float, int, int, int]:
+def _check_probability(p: Any, what: str) -> float:
     if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and math.isfinite(p) and 0.0 < p <= 1.0):
-        raise ValueError(f"p must be a number in the range (0, 1]: it is the probability of drawing a fresh mini-batch "
-                         f"at each training step (p = 1: no reuse; smaller p: about 1/p steps per batch). Got p={p!r}.")
+        raise ValueError(f"{what} must be a number in the range (0, 1]: it is the probability of drawing a fresh "
+                         f"mini-batch at each training step (p = 1: no reuse; smaller p: about 1/p steps per batch). "
+                         f"Got {p!r}.")
+    return float(p)
+
+
+def check_p(p: Any) -> float | dict[int, float]:
+    """``p`` as a float, or a schedule ``{first_step: p}`` as a dict sorted by step (step 0 included)."""
+    if not isinstance(p, Mapping):
+        return _check_probability(p, "p")
+    for step in p:
+        if not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
+            raise ValueError(f"a schedule of p maps loader steps (ints >= 0: batches the loader has yielded since "
+                             f"training began) to probabilities, got the key {step!r} in {dict(p)!r}")
+    if 0 not in p:
+        raise ValueError(f"a schedule of p must say what p is from step 0, e.g. {{0: 0.5, 1000: 1.0}}; got "
+                         f"{dict(p)!r}")
+    return {int(step): _check_probability(p[step], f"p from step {step}") for step in sorted(p)}
+
+
+def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> tuple[Any, int, int, int]:
+    p = check_p(p)
     ints = [isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (seed, num_replicas, replica_rank)]
     if not ints[0]:
         raise ValueError(f"seed must be an int (shared by all pipeline stages), got {seed!r}.")
@@ -52,7 +73,7 @@ def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> t
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
     if not ints[2] or not 0 <= replica_rank < num_replicas:
         raise ValueError(f"replica_rank must be an int in [0, num_replicas={num_replicas}), got {replica_rank!r}.")
-    return float(p), int(seed), int(num_replicas), int(replica_rank)
+    return p, int(seed), int(num_replicas), int(replica_rank)
 
 
 def _mix64(z: int) -> int:
@@ -73,9 +94,11 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
 class LazySampler:
     """``LazySamplingLoader`` without a trainer. An epoch is not begun (position 0), restored or running."""
 
-    def __init__(self, source: Iterable, p: float = 0.5, seed: int = 0, num_replicas: int = 1,
+    def __init__(self, source: Iterable, p: float | dict[int, float] = 0.5, seed: int = 0, num_replicas: int = 1,
                  replica_rank: int = 0) -> None:
         self.p, self.seed, self.num_replicas, self.replica_rank = check_settings(p, seed, num_replicas, replica_rank)
+        self._p_steps = list(self.p) if isinstance(self.p, dict) else [0]
+        self._p_values = list(self.p.values()) if isinstance(self.p, dict) else [self.p]
         if isinstance(source, LazySampler):
             raise ValueError("source is already a LazySamplingLoader; wrap the underlying loader instead.")
         if not isinstance(source, Iterable):
@@ -96,10 +119,14 @@ class LazySampler:
     def _sync_trainer_length(self, length: int) -> None:  # at an epoch's first step, its length for the trainer
         pass
 
+    def p_at(self, step: int) -> float:
+        """The probability of a fresh batch at loader step ``step`` (``p``, or the schedule's entry in force)."""
+        return self._p_values[bisect.bisect_right(self._p_steps, step) - 1]
+
     def _fresh_at(self, step: int) -> bool:
-        """Step t is fresh when ``u(seed, t) < p``, ``u`` the t-th uniform of a counter-based SplitMix64 stream: it
-        depends on (seed, t) only, so processes agree, nothing is saved and the future can be simulated."""
-        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p
+        """Step t is fresh when ``u(seed, t) < p_at(t)``, ``u`` the t-th uniform of a counter-based SplitMix64 stream:
+        it depends on (seed, t) only, so processes agree, nothing is saved and the future can be simulated."""
+        return (_mix64((self._base + (step + 1) * _GAMMA) & _MASK64) >> 11) / (1 << 53) < self.p_at(step)
 
     @property
     def source(self) -> Iterable:  # the wrapped train loader / iterable
