@@ -95,10 +95,12 @@ class Tuning:
         """Probe the links, decide on rank 0, rebuild the training rules on every rank (between two steps)."""
         o, trainer, tune = self.options, module.trainer, self.options.autotune_settings
         lazy = find_lazy_loader(trainer)
-        p = 1.0 if lazy is None else lazy.p_at(lazy.step)  # a schedule of p: the p in force when autotune runs
+        batches = trainer.estimated_stepping_batches * trainer.accumulate_grad_batches  # the whole run's
+        # a schedule of p: the mean p over the run's remaining loader steps (the share of fresh steps to price); the
+        # published quality (frontier rule) covers a fixed p, so it applies only where that mean is one of its p
+        p = 1.0 if lazy is None else lazy.mean_p(lazy.step, batches)
         first = autotune.first_visit_fraction(  # batches: this run's so far, an epoch's, the whole run's
-            p, self.train_steps, trainer.num_training_batches,
-            trainer.estimated_stepping_batches * trainer.accumulate_grad_batches) if o.variant == "aqsgd" else 0.0
+            p, self.train_steps, trainer.num_training_batches, batches) if o.variant == "aqsgd" else 0.0
         choices, every = autotune.tune_pipeline(
             placement, executor.sent_specs, compute_s, o.variant, {"fwd": o.forward_codec, "bwd": o.backward_codec},
             timeout=o.timeout, schedules=self.schedule_candidates(), num_microbatches=num_microbatches,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -75,3 +76,22 @@ def resume_and_compare_p(full, k, tmp_path, total, schedule):
     resumed = fit("map", total, tmp_path / f"resumed-{k}", ckpt_path=str(ckpt), p=schedule)
     keys = ("batch_id", "fresh", "samples", "loss", "ids")
     assert [tuple(r[x] for x in keys) for r in resumed] == [tuple(r[x] for x in keys) for r in full[k:]]
+
+
+def test_the_mean_p_over_steps_weights_each_entry_by_the_steps_it_holds():
+    lazy = LazySamplingLoader(id_loader(8, 2), p={0: 0.5, 100: 1.0}, seed=0)
+    assert lazy.mean_p(0, 200) == pytest.approx(0.75)
+    assert lazy.mean_p(50, 150) == pytest.approx(0.75)
+    assert lazy.mean_p(120, 200) == 1.0 and lazy.mean_p(0, 100) == 0.5
+    assert lazy.mean_p(10, float("inf")) == 1.0  # the p that holds for ever
+    assert LazySamplingLoader(id_loader(8, 2), p=0.3).mean_p(0, 1000) == pytest.approx(0.3)
+
+
+def test_a_float_p_and_its_one_entry_schedule_resume_each_other_without_a_warning():
+    first = LazySamplingLoader(id_loader(23, 4), p=0.4, seed=12)
+    walk(first, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LazySamplingLoader(id_loader(23, 4), p={0: 0.4}, seed=12).load_state_dict(first.state_dict())
+    with pytest.warns(UserWarning, match="written with p=0.4"):
+        LazySamplingLoader(id_loader(23, 4), p={0: 0.4, 5: 1.0}, seed=12).load_state_dict(first.state_dict())

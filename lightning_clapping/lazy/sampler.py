@@ -76,6 +76,11 @@ def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> t
     return p, int(seed), int(num_replicas), int(replica_rank)
 
 
+def _as_schedule(p: Any) -> Any:
+    """A checked p as a schedule (a float p is ``{0: p}``), so that the two spellings of one p compare equal."""
+    return p if isinstance(p, Mapping) else {0: p}
+
+
 def _mix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -122,6 +127,18 @@ class LazySampler:
     def p_at(self, step: int) -> float:
         """The probability of a fresh batch at loader step ``step`` (``p``, or the schedule's entry in force)."""
         return self._p_values[bisect.bisect_right(self._p_steps, step) - 1]
+
+    def mean_p(self, first: int, end: float) -> float:
+        """The mean of ``p_at(t)`` over loader steps ``first <= t < end``: the fraction of them expected to be fresh
+        (``end`` infinite: the p that holds for ever; ``end <= first``: ``p_at(first)``)."""
+        if not math.isfinite(end):
+            return self._p_values[-1]
+        if end <= first:
+            return self.p_at(first)
+        total = 0.0
+        for start, stop, p in zip(self._p_steps, self._p_steps[1:] + [math.inf], self._p_values):
+            total += max(0.0, min(stop, end) - max(start, first)) * p
+        return total / (end - first)
 
     def _fresh_at(self, step: int) -> bool:
         """Step t is fresh when ``u(seed, t) < p_at(t)``, ``u`` the t-th uniform of a counter-based SplitMix64 stream:
@@ -247,7 +264,7 @@ class LazySampler:
                              f"{state.get('version')!r}, this code reads version {_STATE_VERSION}. Resume it with the "
                              "release that wrote it, or fit anew from `Model.load_from_checkpoint(path)`.")
         for key, value in self._settings().items():
-            if state.get(key) != value:
+            if (_as_schedule(state.get(key)) != _as_schedule(value)) if key == "p" else state.get(key) != value:
                 warnings.warn(f"LazySamplingLoader: the checkpoint was written with {key}={state.get(key)!r}, this "
                               f"loader has {key}={value!r}; the resumed run will not repeat the uninterrupted one.")
         self._leave_epoch(ended=False)
