@@ -105,13 +105,27 @@ class MLP(L.LightningModule):
 
 
 #: codec settings of benchmarks/quality.py that change the model: the divisor of the width of the Bottleneck
-#: inserted at every cut (see with_bottlenecks)
-BOTTLENECK = {"bn4": 4, "bn4 q8": 4, "bn4 moderate": 4, "bn8": 8, "bn8 q8": 8, "bn8 moderate": 8, "bn16 moderate": 16}
+#: inserted at every cut and its ``init`` (see with_bottlenecks)
+BOTTLENECK: dict[str, tuple[int, str]] = {
+    **{s: (4, "projection") for s in ("bn4", "bn4 q8", "bn4 moderate")},
+    **{s: (8, "projection") for s in ("bn8", "bn8 q8", "bn8 moderate")},
+    "bn16 moderate": (16, "projection"),
+    **{s: (8, "rescaled") for s in ("bn8 rescaled", "bn8 rescaled q8")},
+    "bn16 rescaled q8": (16, "rescaled"),
+}
 #: codec settings of benchmarks/quality.py scheduled over training (lightning_clapping.CodecScheduler): the fraction of
 #: the steps after which the codecs change, and the (forward, backward) codecs from then on
 SCHEDULED: dict[str, tuple[float, tuple[str, str]]] = {
     "q1 then moderate": (0.8, ("q4", "q8")),
     "aggressive then moderate": (0.75, ("q4", "q8")),
+}
+
+#: codec settings whose lazy-sampling p changes during the run: the fraction of the steps from which the second p
+#: holds, and that p (LazySamplingDataModule(dm, p={0: <the run's p>, <that step>: <second p>}))
+P_SCHEDULED: dict[str, tuple[float, float]] = {
+    "randk fresh-q4 then p=0.25": (0.5, 0.25),
+    "randk fresh-q4 then p=0.5": (0.5, 0.5),
+    "moderate then p=1": (0.5, 1.0),
 }
 
 
@@ -121,9 +135,9 @@ def _char_transformer():
     return CharTransformer
 
 
-def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], divisor: int,
+def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], divisor: int, init: str,
                      width_of: Callable[[nn.Module, int], int]) -> tuple[L.LightningModule, list[str]]:
-    """The model with a trainable ``Bottleneck(w, w // divisor)`` inserted in ``model.<container>`` before each of
+    """The model with a trainable ``Bottleneck(w, w // divisor, init)`` inserted in ``model.<container>`` before each of
     the elements ``cuts``, and the split points that cut between each bottleneck's halves (``<container>.<i>``).
 
     The bottlenecks are built after the model, so its own weights are those of the plain model for the same seed;
@@ -137,7 +151,7 @@ def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], 
         if i in cuts:
             width = width_of(old, i)
             points.append(f"{container}.{len(items)}")
-            items.append(Bottleneck(width, width // divisor))
+            items.append(Bottleneck(width, width // divisor, init))
         items.append(module)
     setattr(model, container, nn.Sequential(*items) if isinstance(old, nn.Sequential) else nn.ModuleList(items))
     return model, points
@@ -161,8 +175,8 @@ class Task:
     batch_size: int
     make_data: Callable[..., L.LightningDataModule]
     make_model: Callable[[L.LightningDataModule], L.LightningModule]
-    #: (model, divisor) -> (the model with a Bottleneck of width // divisor at every cut, its split points)
-    add_bottlenecks: Callable[[L.LightningModule, int], tuple[L.LightningModule, list[str]]]
+    #: (model, divisor, init) -> (the model with a Bottleneck of width // divisor at every cut, its split points)
+    add_bottlenecks: Callable[[L.LightningModule, int, str], tuple[L.LightningModule, list[str]]]
     gradient_clip_val: float | None = None
 
     def missing(self) -> str | None:
@@ -192,8 +206,8 @@ TASKS: dict[str, Task] = {
         make_data=_fashion_data,
         make_model=lambda dm: MLP(),
         # before net.2, net.4, net.6: the widths 512, 256 and 128 after the ReLUs
-        add_bottlenecks=lambda model, divisor: with_bottlenecks(model, "net", [2, 4, 6], divisor,
-                                                                lambda net, i: net[i].in_features),
+        add_bottlenecks=lambda model, divisor, init: with_bottlenecks(model, "net", [2, 4, 6], divisor, init,
+                                                                      lambda net, i: net[i].in_features),
     ),
     "shakespeare": Task(
         name="shakespeare",
@@ -209,8 +223,8 @@ TASKS: dict[str, Task] = {
         make_model=lambda dm: _char_transformer()(dm.vocab_size, block_size=128, d=128, heads=4, layers=4,
                                                   dropout=0.0, lr=1e-3, warmup=20),
         # before blocks 1, 2 and 3: the residual stream, width 128
-        add_bottlenecks=lambda model, divisor: with_bottlenecks(model, "blocks", [1, 2, 3], divisor,
-                                                                lambda blocks, i: blocks[i].ln1.normalized_shape[0]),
+        add_bottlenecks=lambda model, divisor, init: with_bottlenecks(
+            model, "blocks", [1, 2, 3], divisor, init, lambda blocks, i: blocks[i].ln1.normalized_shape[0]),
         gradient_clip_val=1.0,
     ),
 }

@@ -24,7 +24,9 @@ the values in 4 bits on reuse steps and a fresh-step codec (``fresh_codec``: q4 
 under Clapping-FC; and an opt-in model change, a trainable ``lightning_clapping.Bottleneck`` of width / 4, / 8 or / 16
 at every cut (``bn4``, ``bn8``, ``bn16``), alone and with codecs on its code; and codecs scheduled over training
 (``lightning_clapping.CodecScheduler``): ``q1 then moderate`` (one bit until 80 % of the steps, then q4/q8, direct and
-Clapping-FC) and ``aggressive then moderate`` (q2/q4, then q4/q8 for the last quarter). The report draws the
+Clapping-FC) and ``aggressive then moderate`` (q2/q4, then q4/q8 for the last quarter); and lazy sampling's p
+changed halfway (``LazySamplingDataModule(p={0: p, step: p2})``): Clapping-FU with random 10 % from p = 0.5 to 0.25
+and from 0.25 to 0.5, Clapping-FC q4/q8 from p = 0.5 to 1. The report draws the
 bytes-quality frontier of every configuration and judges the 20x goal (within 1 point / 2 %) for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
@@ -72,7 +74,7 @@ torch.set_num_threads(1)  # four stage processes share a small CPU
 import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
-from _quality_tasks import BOTTLENECK, SCHEDULED, TASKS  # noqa: E402
+from _quality_tasks import BOTTLENECK, P_SCHEDULED, SCHEDULED, TASKS  # noqa: E402
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -98,10 +100,18 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "bn8 q8": ("q8", "q8", None),
     "bn8 moderate": ("q4", "q8", None),
     "bn16 moderate": ("q4", "q8", None),
+    # the same, started with Bottleneck(init="rescaled"): each half times (width / rank) ** 0.25
+    "bn8 rescaled": (None, None, None),
+    "bn8 rescaled q8": ("q8", "q8", None),
+    "bn16 rescaled q8": ("q8", "q8", None),
     # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's (see
     # _quality_tasks)
     "q1 then moderate": ("q1", "q1", None),
     "aggressive then moderate": ("q2", "q4", None),
+    # lazy sampling's p scheduled over training (P_SCHEDULED in _quality_tasks), the codecs held
+    "randk fresh-q4 then p=0.25": ("randk:0.1+q4", "randk:0.1+q4", "q4:fp16"),
+    "randk fresh-q4 then p=0.5": ("randk:0.1+q4", "randk:0.1+q4", "q4:fp16"),
+    "moderate then p=1": ("q4", "q8", None),
 }
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
@@ -133,10 +143,19 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn8 moderate"),
     ("clapping-fc", 0.5, "bn8 moderate"),
     ("direct", 1.0, "bn16 moderate"),
+    # the same model change started so that an even input keeps its energy (Bottleneck(init="rescaled"))
+    ("uncompressed", 1.0, "bn8 rescaled"),
+    ("direct", 1.0, "bn8 rescaled q8"),
+    ("direct", 1.0, "bn16 rescaled q8"),
     # coarse while the loss falls fast, q4/q8 for the last fifth / quarter of the steps
     ("direct", 1.0, "q1 then moderate"),
     ("clapping-fc", 0.5, "q1 then moderate"),
     ("clapping-fc", 0.5, "aggressive then moderate"),
+    # lazy sampling's p changed halfway: Clapping-FU reusing more in the second half or in the first (coarse first),
+    # at about the same bytes; Clapping-FC drawing only fresh batches in the second half (the same bytes as p=0.5)
+    ("clapping-fu", 0.5, "randk fresh-q4 then p=0.25"),
+    ("clapping-fu", SMALL_P, "randk fresh-q4 then p=0.5"),
+    ("clapping-fc", 0.5, "moderate then p=1"),
 ]
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
@@ -342,8 +361,13 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     dm.setup("fit")
     model, split_points = task.make_model(dm), task.split_points
     if cfg.setting in BOTTLENECK:
-        model, split_points = task.add_bottlenecks(model, BOTTLENECK[cfg.setting])
-    data = lightning_clapping.LazySamplingDataModule(dm, p=cfg.p, seed=cfg.seed) if cfg.lazy else dm
+        model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
+    p: float | dict[int, float] = cfg.p
+    if cfg.setting in P_SCHEDULED:
+        fraction, later = P_SCHEDULED[cfg.setting]
+        # loader steps: optimizer steps here (no accumulation); the first p holds for at least one step
+        p = {0: cfg.p, max(1, round(fraction * cfg.steps)): later}
+    data = lightning_clapping.LazySamplingDataModule(dm, p=p, seed=cfg.seed) if cfg.lazy else dm
     strategy = lightning_clapping.ClappingStrategy(
         split_points=split_points, microbatches=task.microbatches, variant=cfg.variant,
         forward_codec=cfg.fwd or "identity", backward_codec=cfg.bwd or "identity", fresh_codec=cfg.fresh,
@@ -432,6 +456,7 @@ def meta(args: argparse.Namespace) -> dict:
         "codec_settings": {k: {"forward": f, "backward": b, "fresh": fr} for k, (f, b, fr) in CODEC_SETTINGS.items()},
         "scheduled_settings": {k: {"after_fraction": f, "forward": a, "backward": b} for k, (f, (a, b)) in
                                SCHEDULED.items()},
+        "p_scheduled_settings": {k: {"from_fraction": f, "p": p} for k, (f, p) in P_SCHEDULED.items()},
         "grid_settings": list(GRID_SETTINGS),
         "frontier_configs": [config_label(v, p, st) for v, p, st in FRONTIER_CONFIGS],
         "lazy_sampling_p": [0.5, SMALL_P],
