@@ -235,13 +235,18 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
         if getattr(args, "frontier", False):
             out.append(FRONTIER)
         for text in getattr(args, "bottleneck", None) or []:
-            divisor, _, pair = text.partition(":")
+            divisor, _, rest = text.partition(":")
+            pair, _, variant = rest.partition(":")
             bn_fwd, _, bn_bwd = pair.partition("/")
-            if not divisor.isdigit() or int(divisor) < 2 or not bn_fwd or not bn_bwd:
-                raise SystemExit(f"--bottleneck takes N:FORWARD/BACKWARD such as 8:q8/q8 (N >= 2 divides the "
-                                 f"width), got {text!r}")
-            out.append(Variant(f"direct bn{divisor} {pair}", "direct", 1.0, bn_fwd, bn_bwd,
-                               bottleneck=int(divisor)))
+            variant = variant or "direct"
+            if (not divisor.isdigit() or int(divisor) < 2 or not bn_fwd or not bn_bwd
+                    or variant not in ("direct", "clapping-fc", "clapping-fu")):
+                raise SystemExit(f"--bottleneck takes N:FORWARD/BACKWARD[:VARIANT] such as 8:q8/q8 or "
+                                 f"8:q4/q8:clapping-fc (N >= 2 divides the width; VARIANT direct, clapping-fc or "
+                                 f"clapping-fu, at --p), got {text!r}")
+            p = 1.0 if variant == "direct" else args.p
+            label = f"{variant}{'' if variant == 'direct' else f' p={p:g}'} bn{divisor} {pair}"
+            out.append(Variant(label, variant, p, bn_fwd, bn_bwd, bottleneck=int(divisor)))
     if not getattr(args, "no_auto", False) and strategy_accepts("autotune"):
         out.append(Variant(f"auto p={args.p:g}", "clapping-fc", args.p, fwd, bwd, autotune=True))
         if getattr(args, "auto_schedule", False):

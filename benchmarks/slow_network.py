@@ -71,9 +71,10 @@ recorded as ``relay_cores`` (``other_cores_with_relay`` keeps the sum).
 Modes: ``--tiny`` (2 stages, a tiny model, 3 steps, one link: a smoke test, a few minutes), ``--quick`` (60 steps;
 with 4 ranks on 2 cores each run takes 40-180 s, process start-up included: all 26 runs over ``--links 100@0 100@25
 25@25`` took 36 minutes; leave rows out with ``--no-direct``, ``--no-aqsgd``, ``--no-auto``, ``--fc-extra`` and
-``--fu-p`` without values), default (400 steps). ``--bottleneck N:FWD/BWD`` adds a model change: a trainable
-``lightning_clapping.Bottleneck`` of width d/N before every cut (the cut between its halves), with direct compression
-of its code (label ``direct bnN FWD/BWD``). ``--schedule gpipe`` runs every setting with GPipe instead of 1F1B.
+``--fu-p`` without values), default (400 steps). ``--bottleneck N:FWD/BWD[:VARIANT]`` adds a model change: a
+trainable ``lightning_clapping.Bottleneck`` of width d/N before every cut (the cut between its halves), with direct
+compression of its code (label ``direct bnN FWD/BWD``) or under ``clapping-fc``/``clapping-fu`` at ``--p`` (label
+``clapping-fc p=P bnN FWD/BWD``). ``--schedule gpipe`` runs every setting with GPipe instead of 1F1B.
 ``--loopback-only`` runs every variant on loopback and no shaped link (``benchmarks/time_to_target.py`` takes the loss
 trajectories from it). A run with autotune records what it chose per boundary (``autotune_choice``).
 
@@ -175,9 +176,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--frontier", action="store_true",
                     help="also run the best frontier configuration of the quality benchmark (clapping-fu p=0.5, "
                          "randk:0.1+q4 both ways, fresh steps q4:fp16)")
-    ap.add_argument("--bottleneck", nargs="*", default=[], metavar="N:FWD/BWD",
-                    help="also run direct compression on a model with a trainable Bottleneck of width d/N before "
-                         "every cut (a model change; lightning_clapping.Bottleneck), e.g. 8:q8/q8")
+    ap.add_argument("--bottleneck", nargs="*", default=[], metavar="N:FWD/BWD[:VARIANT]",
+                    help="also run a model with a trainable Bottleneck of width d/N before every cut (a model "
+                         "change; lightning_clapping.Bottleneck), its code compressed directly or under VARIANT "
+                         "(clapping-fc, clapping-fu, at --p), e.g. 8:q8/q8 8:q4/q8:clapping-fc")
     ap.add_argument("--auto-schedule", action="store_true",
                     help="also run auto with schedule='auto' (it starts with 1F1B and may switch to GPipe)")
     ap.add_argument("--no-auto", action="store_true",

@@ -7,7 +7,8 @@
 Settings: uncompressed, direct (4-bit forward / 8-bit backward, no error feedback, no lazy sampling), clapping-fc
 p=0.5 (q4/q8), clapping-fu p=0.5 (q4/q8) and auto (clapping-fc p=0.5 with ``autotune=True``), all with GPipe unless
 ``--schedule`` says otherwise, on the 4-stage char-LM pipeline of ``benchmarks/slow_network.py``;
-``--bottleneck 8:q8/q8`` adds the model with a trainable Bottleneck of width d/8 at every cut and q8 on its code.
+``--bottleneck 8:q8/q8`` adds the model with a trainable Bottleneck of width d/8 at every cut and q8 on its code
+(direct), ``8:q4/q8:clapping-fc`` the same model under Clapping-FC at ``--p``.
 
 Training every setting to the target on every link would take hours here (uncompressed at 10 Mbit/s needs about 5 s a
 step), but the arithmetic of a run does not depend on the link (slow_network's runs reach identical losses on every
@@ -75,7 +76,7 @@ def common_flags(args: argparse.Namespace) -> list[str]:
              args.backward_codec, "--schedule", args.schedule]
     if args.bottleneck:
         flags += ["--bottleneck", *args.bottleneck]
-    return flags + (["--tiny"] if args.tiny else [])
+    return flags + ["--fu-p", *([] if args.no_fu else [f"{args.p:g}"])] + (["--tiny"] if args.tiny else [])
 
 
 def timing_command(args: argparse.Namespace) -> list[str]:
@@ -83,15 +84,16 @@ def timing_command(args: argparse.Namespace) -> list[str]:
     one batch (slow_network validates the last step); clapping-fc on loopback is left out (not used here)."""
     n = args.timing_steps
     return [sys.executable, str(SLOW_NETWORK), *common_flags(args), "--links", *args.links, "--steps", str(n),
-            "--val-every", str(n), "--val-batches", "1", "--skip", str(args.skip), "--fu-p", f"{args.p:g}",
-            "--fc-extra", "--no-loopback-fc", "--out", str(args.out), "--stem", f"{args.stem}_steps"]
+            "--val-every", str(n), "--val-batches", "1", "--skip", str(args.skip),
+            "--fc-extra", "--no-loopback-fc", *(["--no-auto"] if args.no_auto else []), "--out", str(args.out),
+            "--stem", f"{args.stem}_steps"]
 
 
 def trajectory_command(args: argparse.Namespace, extra_pairs: list[str]) -> list[str]:
     """Full-length runs on loopback: every fixed setting, plus a fixed clapping-fc for each of auto's choices."""
     return [sys.executable, str(SLOW_NETWORK), *common_flags(args), "--loopback-only", "--no-auto",
             "--steps", str(args.steps), "--val-every", str(args.val_every), "--val-batches", str(args.val_batches),
-            "--skip", str(args.skip), "--budget", f"{args.budget:g}", "--fu-p", f"{args.p:g}",
+            "--skip", str(args.skip), "--budget", f"{args.budget:g}",
             "--fc-extra", *extra_pairs, "--out", str(args.out), "--stem", f"{args.stem}_trajectories"]
 
 
@@ -399,9 +401,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--p", type=float, default=0.5, help="lazy-sampling p of clapping-fc, clapping-fu and auto")
     ap.add_argument("--forward-codec", default="q4")
     ap.add_argument("--backward-codec", default="q8")
-    ap.add_argument("--bottleneck", nargs="*", default=[], metavar="N:FWD/BWD",
-                    help="also the model with a trainable Bottleneck of width d/N at every cut, direct compression "
-                         "with these codecs on its code (a model change), e.g. 8:q8/q8")
+    ap.add_argument("--bottleneck", nargs="*", default=[], metavar="N:FWD/BWD[:VARIANT]",
+                    help="also the model with a trainable Bottleneck of width d/N at every cut, these codecs on its "
+                         "code (a model change), direct or under VARIANT (clapping-fc, clapping-fu at --p), e.g. "
+                         "8:q8/q8 8:q4/q8:clapping-fc")
+    ap.add_argument("--no-fu", action="store_true", help="leave clapping-fu out (both phases)")
+    ap.add_argument("--no-auto", action="store_true", help="leave auto out (it runs on the links only)")
     ap.add_argument("--tiny", action="store_true",
                     help="smoke test: slow_network --tiny (2 stages, tiny model; it runs neither clapping-fu nor "
                          "--fc-extra rows, so auto has no trajectory), a few steps")

@@ -701,3 +701,15 @@ def test_what_autotune_chose_is_recorded_per_boundary_and_direction():
     assert worker.autotune_choice(chosen) == {"0": {"fwd": "bf16", "bwd": "q8"},
                                                     "1": {"fwd": "q4", "bwd": "uncompressed"}}
     assert worker.autotune_choice(None) is None and worker.autotune_choice({}) is None
+
+
+def test_a_bottleneck_row_runs_direct_or_under_the_variant_it_names():
+    import _slow_network_settings as settings
+
+    rows = {v.label: v for v in settings.make_variants(
+        _variant_args(no_auto=True, bottleneck=["8:q8/q8", "8:q4/q8:clapping-fc"]))}
+    direct, fc = rows["direct bn8 q8/q8"], rows["clapping-fc p=0.5 bn8 q4/q8"]
+    assert (direct.variant, direct.p, direct.bottleneck, direct.forward_codec) == ("direct", 1.0, 8, "q8")
+    assert (fc.variant, fc.p, fc.bottleneck, fc.forward_codec, fc.backward_codec) == ("clapping-fc", 0.5, 8, "q4", "q8")
+    with pytest.raises(SystemExit, match=r"N:FORWARD/BACKWARD\[:VARIANT\]"):
+        settings.make_variants(_variant_args(no_auto=True, bottleneck=["8:q4/q8:ef21"]))

@@ -188,3 +188,14 @@ def test_the_default_run_is_estimated_to_fit_in_40_minutes():
     # and the estimate grows with what is asked (it is not a constant)
     longer = ttt.parse_args(["--timing-steps", "60", "--steps", "500"])
     assert sum(ttt.estimate_seconds(longer, auto_extra=2)) > timing + trajectories + 10 * 60
+
+
+def test_fu_and_auto_can_be_left_out_of_both_phases():
+    default = ttt.parse_args([])
+    assert ttt.timing_command(default)[ttt.timing_command(default).index("--fu-p") + 1] == "0.5"
+    assert "--no-auto" not in ttt.timing_command(default)
+    args = ttt.parse_args(["--no-fu", "--no-auto"])
+    for cmd in (ttt.timing_command(args), ttt.trajectory_command(args, [])):
+        after = cmd[cmd.index("--fu-p") + 1]
+        assert after.startswith("--"), cmd  # --fu-p without values: slow_network runs no clapping-fu
+        assert "--no-auto" in cmd
