@@ -148,6 +148,8 @@ class Variant:
     #: a model change: a trainable lightning_clapping.Bottleneck of width d / bottleneck before every cut, the cut
     #: between its halves (None: the model as it is)
     bottleneck: int | None = None
+    #: lazy sampling's p from a later step on, (step, p): LazySamplingDataModule(p={0: p, step: later p}) (None: p)
+    p_later: tuple[int, float] | None = None
 
     @property
     def sample_ids(self) -> bool:
@@ -213,6 +215,16 @@ def strategy_accepts(name: str) -> bool:
     return proc.returncode == 0
 
 
+def _p_later(text: str) -> tuple[int, float] | None:
+    """``P2@STEP`` as (STEP, P2), None when malformed."""
+    p2, _, step = text.partition("@")
+    try:
+        value = float(p2)
+    except ValueError:
+        return None
+    return (int(step), value) if step.isdigit() and int(step) > 0 and 0 < value <= 1 else None
+
+
 def make_variants(args: argparse.Namespace) -> list[Variant]:
     """The runs of every shaped link, in table order: uncompressed; the baselines direct and AQ-SGD (same codecs as
     Clapping, no lazy sampling); clapping-fc (and its --fc-extra codec pairs); clapping-fu; and "auto" (clapping-fc
@@ -236,17 +248,22 @@ def make_variants(args: argparse.Namespace) -> list[Variant]:
             out.append(FRONTIER)
         for text in getattr(args, "bottleneck", None) or []:
             divisor, _, rest = text.partition(":")
-            pair, _, variant = rest.partition(":")
+            pair, _, rest = rest.partition(":")
+            variant, _, later = rest.partition(":")
             bn_fwd, _, bn_bwd = pair.partition("/")
             variant = variant or "direct"
+            p_later = _p_later(later) if later and variant != "direct" else None
             if (not divisor.isdigit() or int(divisor) < 2 or not bn_fwd or not bn_bwd
-                    or variant not in ("direct", "clapping-fc", "clapping-fu")):
-                raise SystemExit(f"--bottleneck takes N:FORWARD/BACKWARD[:VARIANT] such as 8:q8/q8 or "
-                                 f"8:q4/q8:clapping-fc (N >= 2 divides the width; VARIANT direct, clapping-fc or "
-                                 f"clapping-fu, at --p), got {text!r}")
+                    or variant not in ("direct", "clapping-fc", "clapping-fu") or (later and p_later is None)):
+                raise SystemExit(f"--bottleneck takes N:FORWARD/BACKWARD[:VARIANT[:P2@STEP]] such as 8:q8/q8, "
+                                 f"8:q4/q8:clapping-fc or 8:q4/q8:clapping-fc:1@125 (N >= 2 divides the width; VARIANT "
+                                 f"direct, clapping-fc or clapping-fu, at --p, then at P2 in (0, 1] from step STEP), "
+                                 f"got {text!r}")
             p = 1.0 if variant == "direct" else args.p
-            label = f"{variant}{'' if variant == 'direct' else f' p={p:g}'} bn{divisor} {pair}"
-            out.append(Variant(label, variant, p, bn_fwd, bn_bwd, bottleneck=int(divisor)))
+            label = f"{variant}{'' if variant == 'direct' else f' p={p:g}'}"
+            label += f" then {p_later[1]:g} from {p_later[0]}" if p_later else ""
+            out.append(Variant(f"{label} bn{divisor} {pair}", variant, p, bn_fwd, bn_bwd, bottleneck=int(divisor),
+                               p_later=p_later))
     if not getattr(args, "no_auto", False) and strategy_accepts("autotune"):
         out.append(Variant(f"auto p={args.p:g}", "clapping-fc", args.p, fwd, bwd, autotune=True))
         if getattr(args, "auto_schedule", False):

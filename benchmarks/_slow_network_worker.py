@@ -161,8 +161,9 @@ def worker(config_path: str) -> None:
             blocks.insert(i + k, lightning_clapping.Bottleneck(cfg["d"], cfg["d"] // v["bottleneck"]))
         model.blocks = torch.nn.ModuleList(blocks)
     # lazy sampling for p < 1; AQ-SGD needs the sample ids that the wrapper reports (at p = 1 it changes nothing else)
-    wrap = v["p"] < 1.0 or v["variant"] == "aqsgd"
-    data = lightning_clapping.LazySamplingDataModule(dm, p=v["p"], seed=cfg["seed"]) if wrap else dm
+    wrap = v["p"] < 1.0 or v["variant"] == "aqsgd" or bool(v.get("p_later"))
+    p = {0: v["p"], int(v["p_later"][0]): float(v["p_later"][1])} if v.get("p_later") else v["p"]
+    data = lightning_clapping.LazySamplingDataModule(dm, p=p, seed=cfg["seed"]) if wrap else dm
     strategy = make_strategy(cfg)
     recorder = Recorder(ifname, metric_names(stages))
     trainer = L.Trainer(

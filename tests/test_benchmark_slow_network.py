@@ -711,5 +711,17 @@ def test_a_bottleneck_row_runs_direct_or_under_the_variant_it_names():
     direct, fc = rows["direct bn8 q8/q8"], rows["clapping-fc p=0.5 bn8 q4/q8"]
     assert (direct.variant, direct.p, direct.bottleneck, direct.forward_codec) == ("direct", 1.0, 8, "q8")
     assert (fc.variant, fc.p, fc.bottleneck, fc.forward_codec, fc.backward_codec) == ("clapping-fc", 0.5, 8, "q4", "q8")
-    with pytest.raises(SystemExit, match=r"N:FORWARD/BACKWARD\[:VARIANT\]"):
+    with pytest.raises(SystemExit, match=r"N:FORWARD/BACKWARD\[:VARIANT"):
         settings.make_variants(_variant_args(no_auto=True, bottleneck=["8:q4/q8:ef21"]))
+
+
+def test_a_bottleneck_row_may_change_p_from_a_later_step():
+    import _slow_network_settings as settings
+
+    rows = {v.label: v for v in settings.make_variants(
+        _variant_args(no_auto=True, bottleneck=["8:q4/q8:clapping-fc:1@125"]))}
+    late = rows["clapping-fc p=0.5 then 1 from 125 bn8 q4/q8"]
+    assert (late.variant, late.p, late.p_later, late.bottleneck) == ("clapping-fc", 0.5, (125, 1.0), 8)
+    for bad in ("8:q4/q8:clapping-fc:1.5@125", "8:q4/q8:clapping-fc:1@0", "8:q4/q8:clapping-fc:x@3"):
+        with pytest.raises(SystemExit, match="P2@STEP"):
+            settings.make_variants(_variant_args(no_auto=True, bottleneck=[bad]))
