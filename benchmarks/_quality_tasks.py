@@ -120,12 +120,13 @@ SCHEDULED: dict[str, tuple[float, tuple[str, str]]] = {
     "aggressive then moderate": (0.75, ("q4", "q8")),
 }
 
-#: codec settings whose lazy-sampling p changes during the run: the fraction of the steps from which the second p
-#: holds, and that p (LazySamplingDataModule(dm, p={0: <the run's p>, <that step>: <second p>}))
-P_SCHEDULED: dict[str, tuple[float, float]] = {
-    "randk fresh-q4 then p=0.25": (0.5, 0.25),
-    "randk fresh-q4 then p=0.5": (0.5, 0.5),
-    "moderate then p=1": (0.5, 1.0),
+#: codec settings whose lazy-sampling p changes during the run: the codec setting whose codecs they hold, the
+#: fraction of the steps from which the second p holds, and that p
+#: (LazySamplingDataModule(dm, p={0: <the run's p>, <that step>: <second p>}))
+P_SCHEDULED: dict[str, tuple[str, float, float]] = {
+    "randk fresh-q4 then p=0.25": ("randk fresh-q4", 0.5, 0.25),
+    "randk fresh-q4 then p=0.5": ("randk fresh-q4", 0.5, 0.5),
+    "moderate then p=1": ("moderate", 0.5, 1.0),
 }
 
 

@@ -108,11 +108,9 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     # _quality_tasks)
     "q1 then moderate": ("q1", "q1", None),
     "aggressive then moderate": ("q2", "q4", None),
-    # lazy sampling's p scheduled over training (P_SCHEDULED in _quality_tasks), the codecs held
-    "randk fresh-q4 then p=0.25": ("randk:0.1+q4", "randk:0.1+q4", "q4:fp16"),
-    "randk fresh-q4 then p=0.5": ("randk:0.1+q4", "randk:0.1+q4", "q4:fp16"),
-    "moderate then p=1": ("q4", "q8", None),
 }
+# lazy sampling's p scheduled over training (P_SCHEDULED in _quality_tasks): the codecs of the setting each one holds
+CODEC_SETTINGS.update({name: CODEC_SETTINGS[held] for name, (held, _, _) in P_SCHEDULED.items()})
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
 
@@ -364,7 +362,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
         model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
     p: float | dict[int, float] = cfg.p
     if cfg.setting in P_SCHEDULED:
-        fraction, later = P_SCHEDULED[cfg.setting]
+        _, fraction, later = P_SCHEDULED[cfg.setting]
         # loader steps: optimizer steps here (no accumulation); the first p holds for at least one step
         p = {0: cfg.p, max(1, round(fraction * cfg.steps)): later}
     data = lightning_clapping.LazySamplingDataModule(dm, p=p, seed=cfg.seed) if cfg.lazy else dm
@@ -456,7 +454,7 @@ def meta(args: argparse.Namespace) -> dict:
         "codec_settings": {k: {"forward": f, "backward": b, "fresh": fr} for k, (f, b, fr) in CODEC_SETTINGS.items()},
         "scheduled_settings": {k: {"after_fraction": f, "forward": a, "backward": b} for k, (f, (a, b)) in
                                SCHEDULED.items()},
-        "p_scheduled_settings": {k: {"from_fraction": f, "p": p} for k, (f, p) in P_SCHEDULED.items()},
+        "p_scheduled_settings": {k: {"from_fraction": f, "p": p} for k, (_, f, p) in P_SCHEDULED.items()},
         "grid_settings": list(GRID_SETTINGS),
         "frontier_configs": [config_label(v, p, st) for v, p, st in FRONTIER_CONFIGS],
         "lazy_sampling_p": [0.5, SMALL_P],

@@ -102,8 +102,8 @@ class LazySampler:
     def __init__(self, source: Iterable, p: float | dict[int, float] = 0.5, seed: int = 0, num_replicas: int = 1,
                  replica_rank: int = 0) -> None:
         self.p, self.seed, self.num_replicas, self.replica_rank = check_settings(p, seed, num_replicas, replica_rank)
-        self._p_steps = list(self.p) if isinstance(self.p, dict) else [0]
-        self._p_values = list(self.p.values()) if isinstance(self.p, dict) else [self.p]
+        schedule = _as_schedule(self.p)
+        self._p_steps, self._p_values = list(schedule), list(schedule.values())
         if isinstance(source, LazySampler):
             raise ValueError("source is already a LazySamplingLoader; wrap the underlying loader instead.")
         if not isinstance(source, Iterable):
