@@ -608,6 +608,21 @@ def test_lossy_codecs_refuse_non_finite_input(spec, bad):
         get_codec(spec).encode(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["q4", "q8:tensor", "q2:group5"])
+def test_quantizers_refuse_a_nan_with_its_sign_bit_set(spec, dtype):
+    # The max-abs is taken on the bits of |x| read as integers: a NaN must still come out on top when its sign bit
+    # is set (as integers, such bits are negative).
+    x = torch.randn(16, 16).to(dtype)
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}[dtype]
+    negative_nan = (torch.tensor(float("nan"), dtype=dtype).view(ints) | torch.iinfo(ints).min).view(dtype)
+    assert bool(torch.signbit(negative_nan))
+    x[7, 3] = negative_nan
+    with pytest.raises(NonFiniteError):
+        get_codec(spec).encode(x)
+
+
 def test_identity_carries_non_finite_values_bit_exactly():
     x = torch.tensor([float("nan"), float("inf"), -0.0, 1.0])
     assert torch.equal(_round_trip("identity", x).view(torch.int32), x.view(torch.int32))

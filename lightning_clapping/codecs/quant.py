@@ -19,6 +19,8 @@ __all__ = ["QuantCodec", "quant_factory"]
 _CHUNK = 1 << 19
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_SAME_WIDTH_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+                   torch.bfloat16: torch.int16}
 # fp16 scales are sent as m * 2**e: m an fp16 value, e one int16 per message chosen so that the largest scale lies
 # in [2**14, 2**15) before it is rounded up to an fp16 value (which then stays <= 2**15 < 65504: never inf).
 _FP16_TOP_EXPONENT = 15
@@ -194,18 +196,24 @@ class QuantCodec(BuiltinCodec):
         scales = torch.empty(n_scales, dtype=torch.float32, device=flat.device)
         scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=flat.dtype, device=flat.device)
         accumulate = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        # The max of |x| is taken on its bits read as signed integers of the same width: for floats without a sign
+        # bit that order is the float order, with NaN above inf, and an integer max runs about 1.6x faster than
+        # torch's float max (which checks for NaN at every step) on the CPU.
+        bits = _SAME_WIDTH_INT.get(flat.dtype, flat.dtype)
         for block in blocks:
             dim, partial = 0 if block.per_column else 1, []
             for start, rows, cols, _ in block.chunks():
                 magnitude = scratch[: rows * cols].view(rows, cols)
                 torch.abs(flat[start : start + rows * cols].view(rows, cols), out=magnitude)
-                partial.append(magnitude.sum(dim, dtype=accumulate) if mean else magnitude.amax(dim))
+                partial.append(magnitude.sum(dim, dtype=accumulate) if mean else magnitude.view(bits).amax(dim))
             if block.per_column:
                 s = torch.stack(partial).sum(0) if mean else torch.stack(partial).amax(0)
             else:
                 s = torch.cat(partial)
                 if block.rows == 1:
                     s = s.sum().view(1) if mean else s.amax().view(1)
+            if not mean:
+                s = s.view(flat.dtype)
             if mean:
                 s = s / (block.rows if block.per_column else block.cols)
             scales[block.first_scale : block.first_scale + s.numel()] = s
