@@ -96,3 +96,61 @@ def test_a_rescaled_bottleneck_keeps_an_even_input_s_energy_with_balanced_halves
     assert "init='rescaled'" in repr(rescaled)
     with pytest.raises(ValueError, match="init must be one of 'projection', 'rescaled'"):
         Bottleneck(64, 8, init="xavier")
+
+
+# ------------------------------------------------------------------- a Bottleneck put into a Hugging Face GPT-2
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """GPT-2 (transformers, built from a config) with its second block wrapped by ``ThenBottleneck`` (the block, then
+    ``Bottleneck(32, 8)`` on the hidden states it returns): on 2 stages cut at the bottleneck, the same model cut
+    after the wrapper (``gpt2bnwide``), and one process."""
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("hf_bottleneck")
+    launch_forked("tied_run.py", str(out), "pipe", "gpt2bn,gpt2bnwide", ranks=2, cwd=out, timeout=600)
+    launch_forked("tied_run.py", str(out), "single", "gpt2bn", ranks=1, cwd=out, timeout=600)
+    return out
+
+
+def _hf_row(out, case, mode, rank=0):
+    return json.loads((out / f"{case}_{mode}_rank{rank}.json").read_text())
+
+
+def test_a_bottleneck_in_a_hugging_face_gpt2_trains_on_2_stages_as_in_one_process(hf_runs):
+    pipe, single = _hf_row(hf_runs, "gpt2bn", "pipe"), _hf_row(hf_runs, "gpt2bn", "single")
+    assert pipe["cut_points"] == ["model.transformer.h.1.bottleneck.up"]
+    assert len(pipe["losses"]) == 4 and pipe["losses"] == pytest.approx(single["losses"], rel=0, abs=1e-5)
+    a, b = torch.load(hf_runs / "gpt2bn_single_weights.pt"), torch.load(hf_runs / "gpt2bn_pipe_weights.pt")
+    assert a.keys() == b.keys() and "model.transformer.h.1.bottleneck.down.weight" in a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_only_the_code_crosses_a_cut_at_a_hugging_face_model_s_bottleneck(hf_runs):
+    from tied_run import BOTTLENECK_RANK, SEQ
+
+    batch = 4  # a step of 8 sequences in 2 micro-batches
+    code, wide = _hf_row(hf_runs, "gpt2bn", "pipe"), _hf_row(hf_runs, "gpt2bnwide", "pipe")
+
+    def sent(case):  # what the first stage sent forward and the last one sent back, whichever rank holds them
+        rows = [_hf_row(hf_runs, case, "pipe", rank)["sent"] for rank in (0, 1)]
+        return {name: shapes for row in rows for name, shapes in row.items()}
+
+    assert sent("gpt2bn") == {"fwd_out": [[batch, SEQ, BOTTLENECK_RANK]], "bwd_out": [[batch, SEQ, BOTTLENECK_RANK]]}
+    assert sent("gpt2bnwide") == {"fwd_out": [[batch, SEQ, 32]], "bwd_out": [[batch, SEQ, 32]]}
+    # 4 steps x 2 micro-batches, each way: at least the width the code leaves out (the wide cut's message may also
+    # hold the block's integer inputs, e.g. position ids)
+    assert wide["totals"]["raw_bytes"] - code["totals"]["raw_bytes"] >= 4 * 2 * 2 * batch * SEQ * (32 - 8) * 4
+
+
+def test_a_hugging_face_model_with_a_bottleneck_loads_in_one_process_and_runs_through_it(hf_runs):
+    from tied_run import VOCAB, TiedLM
+
+    loaded = TiedLM.load_from_checkpoint(_hf_row(hf_runs, "gpt2bn", "pipe")["checkpoint"], map_location="cpu")
+    trained = torch.load(hf_runs / "gpt2bn_pipe_weights.pt")
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    wrapper = loaded.model.transformer.h[1]
+    seen = []
+    wrapper.bottleneck.down.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    logits = loaded.model(input_ids=torch.randint(0, VOCAB, (2, 5))).logits
+    assert logits.shape == (2, 5, VOCAB) and seen == [torch.Size([2, 5, 8])]

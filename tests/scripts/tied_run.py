@@ -12,11 +12,13 @@ gpt2x4:   gpt2 on 4 stages (the middle stages hold no copy)
 replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
           replicas' batches, as tests/scripts/replicas_run.py does)
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
+gpt2bn:   gpt2 with a ``Bottleneck(32, 8)`` after its second block (the block wrapped, as a user would put one into a
+          Hugging Face model) and the split point naming it; gpt2bnwide: the same model cut after the wrapper instead
 resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
 bert_resume: the bert pipeline run's checkpoint resumed for a second epoch (pipe: on 2 stages; single: one process)
 
 Every rank writes OUT/<case>_<mode>_rank<r>.json: per-step losses, the byte totals, the last logged byte values,
-the checkpoint path, and ``copies``: this rank's copy of each tied tensor at the end of training (its own stage's,
+the checkpoint path, the cut points and the shapes of the floating tensors this stage last sent each way, and ``copies``: this rank's copy of each tied tensor at the end of training (its own stage's,
 recorded before teardown). Rank 0 also saves the final weights as OUT/<case>_<mode>_weights.pt.
 """
 
@@ -35,13 +37,27 @@ TIED = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight"),
         "bert": ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.decoder.weight")}
 
 
-def build(arch: str):
+class ThenBottleneck(torch.nn.Module):
+    """A Hugging Face block followed by a ``Bottleneck`` on the hidden states it returns (its calls unchanged)."""
+
+    def __init__(self, block: torch.nn.Module, features: int, rank: int):
+        super().__init__()
+        self.block, self.bottleneck = block, lightning_clapping.Bottleneck(features, rank)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.bottleneck(self.block(hidden_states, *args, **kwargs))
+
+
+def build(arch: str, bottleneck: int = 0):
     if arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         config = GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        return GPT2LMHeadModel(config)
+        model = GPT2LMHeadModel(config)
+        if bottleneck:
+            model.transformer.h[1] = ThenBottleneck(model.transformer.h[1], config.n_embd, bottleneck)
+        return model
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
@@ -51,10 +67,10 @@ def build(arch: str):
 
 
 class TiedLM(L.LightningModule):
-    def __init__(self, arch: str = "gpt2", lr: float = 0.5):
+    def __init__(self, arch: str = "gpt2", lr: float = 0.5, bottleneck: int = 0):
         super().__init__()
         self.save_hyperparameters()
-        self.model = build(arch)
+        self.model = build(arch, bottleneck)
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
@@ -80,7 +96,7 @@ class NetHolder(L.LightningModule):
 
 class Record(L.Callback):
     def __init__(self, keys):
-        self.keys, self.losses, self.copies = keys, [], {}
+        self.keys, self.losses, self.copies, self.sent = keys, [], {}, {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
@@ -88,6 +104,10 @@ class Record(L.Callback):
     def on_train_end(self, trainer, pl_module):  # before the strategy gathers the model: this stage's own copies
         params = dict(pl_module.named_parameters(remove_duplicate=False))
         self.copies = {k: params[k].detach().cpu().clone() for k in self.keys if not params[k].is_meta}
+        executor = getattr(trainer.strategy, "executor", None)
+        if executor is not None:  # the floating tensors of this stage's last message in each direction
+            self.sent = {name: [list(shape) for shape, dtype, _ in specs if dtype.is_floating_point]
+                         for name, specs in executor.sent_specs.items()}
 
 
 CASES = {
@@ -101,13 +121,17 @@ CASES = {
     "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
     "bert_resume": ("bert", 2, 1, {"max_epochs": 2}, {}, 32),
     "hparams": ("gpt2", 2, 1, {}, {}, 32),
+    "gpt2bn": ("gpt2", 2, 1, {}, {"split_points": ["model.transformer.h.1.bottleneck"]}, 32),
+    "gpt2bnwide": ("gpt2", 2, 1, {}, {"split_points": ["model.transformer.h.2"]}, 32),
 }
+BOTTLENECK_RANK = 8
 
 
 def run(out: Path, mode: str, case: str) -> None:
     arch, stages, replicas, trainer_kw, strategy_kw, samples = CASES[case]
     L.seed_everything(0)
-    model = NetHolder(build(arch)) if case == "hparams" else TiedLM(arch)
+    bottleneck = BOTTLENECK_RANK if case.startswith("gpt2bn") else 0
+    model = NetHolder(build(arch)) if case == "hparams" else TiedLM(arch, bottleneck=bottleneck)
     # counting sequences over the first 10 tokens: something to learn, so the loss falls
     start = torch.randint(0, 10, (samples, 1), generator=torch.Generator().manual_seed(1))
     x = (start + torch.arange(SEQ)) % 10
@@ -138,6 +162,7 @@ def run(out: Path, mode: str, case: str) -> None:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("clapping/")}
     row = {"losses": record.losses, "metrics": metrics, "checkpoint": trainer.checkpoint_callback.best_model_path,
            "totals": trainer.strategy.byte_totals if mode == "pipe" else {}, "steps": trainer.global_step,
+           "cut_points": list(trainer.strategy.partition.cut_points) if mode == "pipe" else None, "sent": record.sent,
            # after a "full" run the launching process holds the whole model: tied as one process holds it
            "tied_after_fit": model.get_parameter(TIED[arch][0]) is model.get_parameter(TIED[arch][1])
            if rank == 0 and case != "hparams" else None}
