@@ -101,9 +101,8 @@ def test_a_rescaled_bottleneck_keeps_an_even_input_s_energy_with_balanced_halves
 # ------------------------------------------------------------------- a Bottleneck put into a Hugging Face GPT-2
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
-    """GPT-2 (transformers, built from a config) with its second block wrapped by ``ThenBottleneck`` (the block, then
-    ``Bottleneck(32, 8)`` on the hidden states it returns): on 2 stages cut at the bottleneck, the same model cut
-    after the wrapper (``gpt2bnwide``), and one process."""
+    """GPT-2 (transformers, built from a config) with its second block wrapped by ``BottleneckAfter(block, 32, 8)``:
+    on 2 stages cut at the bottleneck, the same model cut after the wrapper (``gpt2bnwide``), and one process."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("hf_bottleneck")
     launch_forked("tied_run.py", str(out), "pipe", "gpt2bn,gpt2bnwide", ranks=2, cwd=out, timeout=600)
@@ -154,3 +153,20 @@ def test_a_hugging_face_model_with_a_bottleneck_loads_in_one_process_and_runs_th
     wrapper.bottleneck.down.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     logits = loaded.model(input_ids=torch.randint(0, VOCAB, (2, 5))).logits
     assert logits.shape == (2, 5, VOCAB) and seen == [torch.Size([2, 5, 8])]
+
+
+def test_a_bottleneck_after_a_block_passes_the_block_s_arguments_and_compresses_its_first_output():
+    from lightning_clapping import BottleneckAfter
+
+    class Block(torch.nn.Module):  # called as a Hugging Face layer is: positional and keyword arguments
+        def forward(self, hidden, mask, *, scale=1.0, as_tuple=False):
+            out = (hidden + mask) * scale
+            return (out, "cache") if as_tuple else out
+
+    wrapped, x, mask = BottleneckAfter(Block(), 6, 2), torch.randn(3, 6), torch.ones(3, 6)
+    expected = wrapped.bottleneck((x + mask) * 2.0)
+    torch.testing.assert_close(wrapped(x, mask, scale=2.0), expected, rtol=0, atol=0)
+    out = wrapped(x, mask, scale=2.0, as_tuple=True)
+    assert out[1] == "cache"
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=0)
+    assert wrapped.bottleneck.rank == 2 and isinstance(wrapped.block, Block)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 INITS = ("projection", "rescaled")
 
-__all__ = ["Bottleneck"]
+__all__ = ["Bottleneck", "BottleneckAfter"]
 
 
 class Bottleneck(nn.Module):
@@ -71,3 +71,18 @@ class Bottleneck(nn.Module):
 
     def extra_repr(self) -> str:
         return f"features={self.features}, rank={self.rank}, init={self.init!r}"
+
+
+class BottleneckAfter(nn.Module):
+    """``block`` followed by a :class:`Bottleneck` on what it returns (on the first element when it returns a tuple,
+    as older Hugging Face blocks do), called with whatever arguments the model passes to the block."""
+
+    def __init__(self, block: nn.Module, features: int, rank: int, init: str = "projection") -> None:
+        super().__init__()
+        self.block, self.bottleneck = block, Bottleneck(features, rank, init)
+
+    def forward(self, *args, **kwargs):
+        out = self.block(*args, **kwargs)
+        if isinstance(out, tuple):
+            return (self.bottleneck(out[0]), *out[1:])
+        return self.bottleneck(out)

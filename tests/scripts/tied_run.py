@@ -12,8 +12,8 @@ gpt2x4:   gpt2 on 4 stages (the middle stages hold no copy)
 replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
           replicas' batches, as tests/scripts/replicas_run.py does)
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
-gpt2bn:   gpt2 with a ``Bottleneck(32, 8)`` after its second block (the block wrapped, as a user would put one into a
-          Hugging Face model) and the split point naming it; gpt2bnwide: the same model cut after the wrapper instead
+gpt2bn:   gpt2 with its second block wrapped by ``BottleneckAfter(block, 32, 8)`` (a ``Bottleneck`` on the hidden
+          states it returns) and the split point naming that bottleneck; gpt2bnwide: the same model cut after the wrapper
 resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
 bert_resume: the bert pipeline run's checkpoint resumed for a second epoch (pipe: on 2 stages; single: one process)
 
@@ -37,17 +37,6 @@ TIED = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight"),
         "bert": ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.decoder.weight")}
 
 
-class ThenBottleneck(torch.nn.Module):
-    """A Hugging Face block followed by a ``Bottleneck`` on the hidden states it returns (its calls unchanged)."""
-
-    def __init__(self, block: torch.nn.Module, features: int, rank: int):
-        super().__init__()
-        self.block, self.bottleneck = block, lightning_clapping.Bottleneck(features, rank)
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return self.bottleneck(self.block(hidden_states, *args, **kwargs))
-
-
 def build(arch: str, bottleneck: int = 0):
     if arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -56,7 +45,7 @@ def build(arch: str, bottleneck: int = 0):
                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(config)
         if bottleneck:
-            model.transformer.h[1] = ThenBottleneck(model.transformer.h[1], config.n_embd, bottleneck)
+            model.transformer.h[1] = lightning_clapping.BottleneckAfter(model.transformer.h[1], config.n_embd, bottleneck)
         return model
     from transformers import BertConfig, BertForMaskedLM
 
