@@ -220,7 +220,8 @@ def test_each_predicted_form_has_one_message_size_with_a_fresh_codec(variant):
         sizes.setdefault((m.slot, m.mode), set()).add(len(pack(m.parts)))
     assert any(mode == ("fresh",) for _, mode in sizes) and any(mode == ("codec",) for _, mode in sizes)
     assert all(len(s) == 1 for s in sizes.values()), sizes
-    expected = message_nbytes([((4, 8), get_codec("q8").payload_nbytes((4, 8), torch.float32)), ((4, 1, 8), 32)])
+    # the activation by q8, and the mask of 32 bools one bit each
+    expected = message_nbytes([((4, 8), get_codec("q8").payload_nbytes((4, 8), torch.float32)), ((4, 1, 8), 4)])
     assert {s for (_, mode), (s,) in sizes.items() if mode == ("fresh",)} == {expected}
 
 
@@ -465,7 +466,7 @@ def test_steady_state_messages_have_the_codecs_exact_size():
         if m.parts[0].codec == CODEC:
             sizes.setdefault(m.slot, set()).add(len(pack(m.parts)))
     codec = get_codec("q4")
-    expected = message_nbytes([((4, 8), codec.payload_nbytes((4, 8), torch.float32)), ((4, 1, 8), 32)])
+    expected = message_nbytes([((4, 8), codec.payload_nbytes((4, 8), torch.float32)), ((4, 1, 8), 4)])  # bools: bits
     assert sizes and all(s == {expected} for s in sizes.values())
 
 

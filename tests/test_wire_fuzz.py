@@ -40,7 +40,11 @@ from lightning_clapping.comm.wire import (  # noqa: E402
     check_codec_payload,
     decode_message,
     decode_payload,
+    from_raw_bytes,
+    message_nbytes,
     pack,
+    raw_bytes,
+    raw_payload_nbytes,
     resize_message,
     results_of,
     results_part,
@@ -330,6 +334,31 @@ def test_messages_of_every_variant_and_codec_decode_or_raise_only_wire_error(var
     expected = {"uncompressed": {RAW}, "direct": {RAW, CODEC}, "aqsgd": {RAW, FULL, CODEC}}.get(variant, {
         RAW, CODEC, *([SKIP] if "lazy_threshold" in kw else []), *([] if variant == "clapping-fu" and kw else [FULL])})
     assert forms == expected
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 32, 32), (3, 5, 7), (65,), (0, 4)])
+def test_a_bool_tensor_crosses_as_one_bit_per_value_and_comes_back_exactly(shape):
+    # an attention mask crossing a cut: 8x fewer bytes than one byte per value, without loss
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    payload = raw_bytes(mask)
+    assert payload.numel() == raw_payload_nbytes(shape, torch.bool) == math.ceil(mask.numel() / 8)
+    back = from_raw_bytes(payload, torch.bool, shape)
+    assert back.dtype == torch.bool and torch.equal(back, mask)
+    msg = pack([Part(RAW, torch.bool, shape, payload)])
+    assert msg.numel() == message_nbytes([(shape, math.ceil(mask.numel() / 8))])
+    (part,) = unpack(msg)
+    assert torch.equal(from_raw_bytes(part.payload, part.dtype, part.shape), mask)
+
+
+def test_a_bool_part_of_one_byte_per_value_is_a_wire_error():
+    ctx, slot, receiver, parts = _drive("direct", "q4", {})[2]
+    mask = torch.ones(4, 1, 8, dtype=torch.bool)
+    whole_bytes = Part(RAW, torch.bool, (4, 1, 8), mask.view(torch.uint8).reshape(-1))
+    with pytest.raises(WireError, match=r"part 1 of 2 \(RAW\): 32 bytes for shape \(4, 1, 8\) of torch.bool \(4\)"):
+        decode_message(receiver, slot, [parts[0], whole_bytes], ctx, WHERE)
+    bits = Part(RAW, torch.bool, (4, 1, 8), raw_bytes(mask))
+    out = decode_message(receiver, slot, [parts[0], bits], ctx, WHERE)
+    assert torch.equal(out[1], mask)
 
 
 def test_a_skip_without_a_buffer_and_a_row_without_its_sample_are_wire_errors():

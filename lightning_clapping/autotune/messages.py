@@ -8,14 +8,13 @@ and the layout of :mod:`lightning_clapping.comm.wire`). The probe and the choice
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Union
 
 import torch
 
 from lightning_clapping.codecs import get_codec
-from lightning_clapping.comm.wire import message_nbytes
+from lightning_clapping.comm.wire import message_nbytes, raw_payload_nbytes
 
 UNCOMPRESSED = "uncompressed"
 DIRECTIONS = ("fwd", "bwd")
@@ -47,7 +46,7 @@ def message_bytes(specs: Sequence[TensorSpec], setting: str) -> int:
     for spec in specs:
         shape, dtype, compressible = spec_of(spec)
         if codec is None or not compressible:
-            parts.append((shape, math.prod(shape) * dtype.itemsize))
+            parts.append((shape, raw_payload_nbytes(shape, dtype)))
         else:
             parts.append((shape, codec.payload_nbytes(shape, dtype)))
     return message_nbytes(parts)
