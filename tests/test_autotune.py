@@ -72,6 +72,10 @@ def test_message_bytes_are_the_codec_payloads_plus_the_header():
     mixed = [((8, 16), torch.float32), ((8, 16), torch.int64), ((8, 16), torch.float32, False)]
     q4 = get_codec("q4").payload_nbytes((8, 16), torch.float32)
     assert message_bytes(mixed, "q4") == message_nbytes([((8, 16), q4), ((8, 16), 8 * 128), ((8, 16), 4 * 128)])
+    # a bool mask crosses as one bit per value, compressed or not
+    masked = [((8, 16), torch.float32), ((8, 1, 16, 16), torch.bool)]
+    for setting, payload in ((UNCOMPRESSED, 4 * 128), ("q4", q4)):
+        assert message_bytes(masked, setting) == message_nbytes([((8, 16), payload), ((8, 1, 16, 16), 256)])
 
 
 def test_a_fast_link_stays_uncompressed():

@@ -170,3 +170,7 @@ def test_a_bottleneck_after_a_block_passes_the_block_s_arguments_and_compresses_
     assert out[1] == "cache"
     torch.testing.assert_close(out[0], expected, rtol=0, atol=0)
     assert wrapped.bottleneck.rank == 2 and isinstance(wrapped.block, Block)
+    wrapped.block.attention_type = "sliding"  # what a model's loop may read from its layers
+    assert wrapped.attention_type == "sliding"
+    with pytest.raises(AttributeError):
+        wrapped.not_an_attribute

@@ -14,11 +14,13 @@ from lightning_clapping.comm.channel import PeerChannel
 from lightning_clapping.comm.wire import (
     HEADER_BYTES,
     KIND_RESIZE,
+    VERSION,
     Part,
     WireError,
     from_raw_bytes,
     pack,
     raw_bytes,
+    raw_payload_nbytes,
     read_header,
     resize_message,
     unpack,
@@ -45,7 +47,7 @@ def test_message_size_is_header_descriptors_and_aligned_payloads():
     msg = pack(parts)
     assert msg.dtype == torch.uint8 and msg.dim() == 1
     descriptors = sum(16 + 8 * t.dim() for t in tensors)
-    payloads = sum((t.numel() * t.element_size() + 7) // 8 * 8 for t in tensors)
+    payloads = sum((raw_payload_nbytes(t.shape, t.dtype) + 7) // 8 * 8 for t in tensors)  # bools: a bit each
     assert msg.numel() == (HEADER_BYTES + descriptors + 7) // 8 * 8 + payloads
 
 
@@ -169,7 +171,7 @@ def _poke(msg: torch.Tensor, at: int, value: bytes) -> torch.Tensor:
         (lambda m: _poke(pack([]), 4, b"\x01"), "part 0 of 1: descriptor runs past the end of the message"),
         (lambda m: _poke(m, 3, b"\x07"), "unknown message kind 7"),
         (lambda m: _poke(m, 6, b"\x01"), r"reserved field 1 \(not 0\)"),
-        (lambda m: _poke(m, 2, b"\x02"), "not a lightning-clapping message"),
+        (lambda m: _poke(m, 2, bytes([VERSION + 1])), "not a lightning-clapping message"),
         (lambda m: _poke(m, 3, b"\x01"), "expected a data message, got kind 1"),
         (lambda m: m[:-8], "message says 72 bytes but 64 arrived"),
         (lambda m: m[:9], "message of 9 bytes is shorter than the 16-byte header"),

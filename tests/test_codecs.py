@@ -619,7 +619,16 @@ def test_quantizers_refuse_a_nan_with_its_sign_bit_set(spec, dtype):
     negative_nan = (torch.tensor(float("nan"), dtype=dtype).view(ints) | torch.iinfo(ints).min).view(dtype)
     assert bool(torch.signbit(negative_nan))
     x[7, 3] = negative_nan
+    assert bool(torch.signbit(x[7, 3])) and bool(torch.isnan(x[7, 3]))
     with pytest.raises(NonFiniteError):
+        get_codec(spec).encode(x)
+
+
+@pytest.mark.parametrize("spec", ["q4", "q8:tensor", "q2:group5", "q4:fp16"])
+def test_a_float64_input_beyond_float32_s_range_is_refused_with_the_reason(spec):
+    x = torch.randn(16, 16, dtype=torch.float64)
+    x[7, 3] = 1e39  # finite in float64; no float32 scale holds it
+    with pytest.raises(ValueError, match="exceed what its float32 scales can hold.*'identity'"):
         get_codec(spec).encode(x)
 
 

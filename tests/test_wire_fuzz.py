@@ -35,6 +35,7 @@ from lightning_clapping.comm.wire import (  # noqa: E402
     MAX_NDIM,
     RAW,
     SKIP,
+    VERSION,
     Part,
     WireError,
     check_codec_payload,
@@ -109,7 +110,7 @@ def plausible_messages(draw):
     length = HEADER_BYTES + len(body)
     total = draw(st.one_of(st.just(length), st.integers(0, 2**64 - 1)))
     nparts = draw(st.one_of(st.just(count), st.integers(0, 4), st.integers(0, 0xFFFF)))
-    return struct.pack("<2sBBHHQ", b"CL", 1, 0, nparts, 0, total) + body
+    return struct.pack("<2sBBHHQ", b"CL", VERSION, 0, nparts, 0, total) + body
 
 
 @FAST

@@ -4,7 +4,8 @@ One :class:`MessageRule` serves one boundary and direction on one side (the send
 ``decode`` are the same class with the same settings). Each tensor of a message is sent in one of four wire forms,
 named by the part's codec id (the ids and the byte layout are :mod:`lightning_clapping.comm.wire`'s):
 
-``RAW``    the tensor's own bytes, no state (uncompressed runs; masks and other tensors that carry no gradient)
+``RAW``    the tensor's own bytes (a bool tensor's one bit per value), no state (uncompressed runs; masks and other
+           tensors that carry no gradient)
 ``FULL``   the tensor's own bytes, and both ends reset their buffer to it (a fresh batch under Clapping-FU, the first
            message of a slot, the first visit of a sample under AQ-SGD)
 ``CODEC``  a codec payload: of the difference to the buffer (feedback variants: both ends add the decoded

@@ -181,6 +181,12 @@ class QuantCodec(BuiltinCodec):
             raise_non_finite(flat)
             scales = self._scales(flat.double(), blocks, n_scales, mean)  # a float32 sum of |x| overflowed
             peak = float(scales.amax())
+            if not math.isfinite(peak):  # a float64 input beyond float32's range: no float32 scale holds it
+                raise ValueError(
+                    f"{self.name}: values of magnitude {float(flat.abs().max()):.3g} exceed what its float32 scales "
+                    f"can hold ({_FLOAT32_MAX:.3g}); scale the tensor down before it crosses the cut, or send it "
+                    f"uncompressed (codec 'identity')"
+                )
         if self.scale_dtype == torch.float32:
             payload[:head].view(torch.float32).copy_(scales)
         else:

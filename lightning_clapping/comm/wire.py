@@ -110,8 +110,8 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's own bytes as a flat uint8 view (a copy only when it is not contiguous); a bool tensor's values
     packed one bit each (:func:`~lightning_clapping.codecs.bitpack.pack_bits`)."""
     t = t.detach().contiguous()
-    if t.dtype == torch.bool:
-        return pack_bits(t.reshape(-1).view(torch.uint8), 1)
+    if t.dtype == torch.bool:  # ne(0): a bool made by a view may hold any non-zero byte for True
+        return pack_bits(t.reshape(-1).view(torch.uint8).ne(0).view(torch.uint8), 1)
     return t.reshape(-1).view(torch.uint8)
 
 

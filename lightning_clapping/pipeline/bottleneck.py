@@ -20,6 +20,14 @@ halves are multiplied by ``(features / rank) ** 0.25`` (balanced, so neither hal
 ``up(down(x))`` that projection times ``sqrt(features / rank)``: such an input keeps its expected squared norm. Which
 one trains better is the model's business (BENCHMARKS.md section 1 measures both: the rescaled start suits an MLP
 cut after its ReLUs, the projection suits a transformer's residual stream).
+
+Models that call their blocks in a loop (Hugging Face transformers: ``for layer in self.layer: hidden =
+layer(hidden, mask, ...)``) have no place to insert a module between two blocks. ``BottleneckAfter(block, features,
+rank)`` wraps the block instead: it calls the block as the model calls it and passes what the block returns through
+a ``Bottleneck``, so the model's own loop stays as it is, and the attributes the model reads from its blocks are read
+from the wrapped one. The split point then names the bottleneck inside the wrapper (``"...layer.5.bottleneck"``).
+Hidden states that transformers records from the block itself (``output_hidden_states=True``, by hooks on the
+block's class) are the block's output before the bottleneck.
 """
 
 from __future__ import annotations
@@ -80,6 +88,16 @@ class BottleneckAfter(nn.Module):
     def __init__(self, block: nn.Module, features: int, rank: int, init: str = "projection") -> None:
         super().__init__()
         self.block, self.bottleneck = block, Bottleneck(features, rank, init)
+
+    def __getattr__(self, name: str):
+        # what the model reads from its block (e.g. a layer's attention type) is read from the wrapped block
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self._modules.get("block")
+            if block is None or name == "block":
+                raise
+            return getattr(block, name)
 
     def forward(self, *args, **kwargs):
         out = self.block(*args, **kwargs)
