@@ -1,4 +1,4 @@
-"""The two tasks of ``benchmarks/quality.py``: data with a held-out validation loader, the model, and its cut.
+"""The tasks of ``benchmarks/quality.py``: data with a held-out validation loader, the model, and its cut.
 
 * ``fashion_mnist``: an MLP 784-512-256-128-10 cut after every hidden layer (the boundaries carry 512, 256 and 128
   features per sample); held-out metric: accuracy on the official 10,000-image test split.
@@ -10,7 +10,7 @@
   before layers 1, 3 and 5 (every boundary carries ``[B, 32, 384]``); held-out metric: accuracy on the seeded
   validation split (10 % of the 82,115 synsets), or an even subset of it.
 
-Both models use Adam(W) with a fixed learning rate schedule that is the same for every variant of a task.
+Every model uses Adam(W) with a fixed learning rate schedule that is the same for every variant of a task.
 """
 
 from __future__ import annotations

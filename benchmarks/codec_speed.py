@@ -1,7 +1,7 @@
 """Codec speed: encode+decode throughput of every codec against a plain memory copy of the same tensor.
 
     python benchmarks/codec_speed.py [--quick | --tiny | --payloads-only] [--threads N] [--hot-cache]
-                                     [--out benchmarks/results]
+                                     [--shapes 2048x512 ...] [--stem codec_speed] [--out benchmarks/results]
 
 Each codec runs on fp32 activations shaped like a pipeline message, ``[batch*seq, hidden]``: (2048, 512) and
 (8192, 512), i.e. 1 M and 4 M values. Every repeat of one loop times ``y.copy_(x)``, ``encode``, ``decode`` (into a
@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON and CSV")
     parser.add_argument("--codecs", nargs="+", default=CODECS, help="codec names to measure")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="ROWSxCOLS",
+                        help="message shapes to time instead of the mode's (e.g. 16x512 to see the fixed cost)")
+    parser.add_argument("--stem", default="codec_speed", help="file name stem of the JSON and CSV under --out")
     parser.add_argument("--hot-cache", action="store_true",
                         help="do not flush the CPU caches before each timed operation (by default every copy, encode "
                              "and decode starts with its input in memory, not in cache)")
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         shapes, warmup, repeats = [(2048, 512), (8192, 512)], 5, 10
     else:
         shapes, warmup, repeats = [(2048, 512), (8192, 512)], 5, 30
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.lower().split("x")) for s in args.shapes]
 
     # glibc maps every large block afresh (page faults on each first touch) until a large block has been freed once;
     # a training process has long passed that point, so reach it here before timing anything.
@@ -213,13 +218,14 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {"warmup": warmup, "repeats": repeats, "shapes": ["x".join(map(str, s)) for s in shapes],
                 "mode": "tiny" if args.tiny else "quick" if args.quick else "full", "cache_flushed": not args.hot_cache}
-    (args.out / "codec_speed.json").write_text(
-        json.dumps({"machine": info, "settings": settings, "rows": rows, "payloads": payloads}, indent=2))
-    with open(args.out / "codec_speed.csv", "w", newline="") as f:
+    json_path, csv_path = args.out / f"{args.stem}.json", args.out / f"{args.stem}.csv"
+    result = {"machine": info, "settings": settings, "rows": rows, "payloads": payloads}
+    json_path.write_text(json.dumps(result, indent=2))
+    with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {args.out / 'codec_speed.json'} and {args.out / 'codec_speed.csv'}")
+    print(f"wrote {json_path} and {csv_path}")
 
 
 if __name__ == "__main__":

