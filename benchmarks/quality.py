@@ -160,12 +160,12 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("clapping-fc", 0.5, "moderate then p=1"),
 ]
 
-#: the configurations the fine-tuning task runs when a mode runs all (``--configs`` unset): the reference, the mild
-#: codecs plain and under Clapping-FC, one bit per value plain and under Clapping-FC, the bottleneck with q8 on its
-#: code, and Clapping-FU's random 10 % (the other tasks run every configuration)
+#: the configurations the fine-tuning task runs when a mode runs all (``--configs`` unset): the reference, lazy
+#: sampling alone, the mild codecs plain and under Clapping-FC, one bit per value plain and under Clapping-FC, the
+#: bottleneck with q8 on its code, and Clapping-FU's random 10 % (the other tasks run every configuration)
 TASK_CONFIGS: dict[str, list[str]] = {
-    "wordnet_minilm": ["uncompressed", "direct moderate", "clapping-fc p=0.5 moderate", "direct q1",
-                       "clapping-fc p=0.5 q1", "direct bn8 q8", "clapping-fu p=0.5 randk fresh-q4"],
+    "wordnet_minilm": ["uncompressed", "uncompressed p=0.5", "direct moderate", "clapping-fc p=0.5 moderate",
+                       "direct q1", "clapping-fc p=0.5 q1", "direct bn8 q8", "clapping-fu p=0.5 randk fresh-q4"],
 }
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
