@@ -203,8 +203,8 @@ class QuantCodec(BuiltinCodec):
         scratch = torch.empty(max(b.largest_chunk() for b in blocks), dtype=flat.dtype, device=flat.device)
         accumulate = torch.float64 if flat.dtype == torch.float64 else torch.float32
         # The max of |x| is taken on its bits read as signed integers of the same width: for floats without a sign
-        # bit that order is the float order, with NaN above inf; on the CPU an integer max ran 1.5-1.7x faster than
-        # torch's float max (which checks for NaN at every step).
+        # bit that order is the float order, with NaN above inf; an integer max skips the NaN check that torch's
+        # float max makes at every element, and runs faster on the CPU.
         bits = _SAME_WIDTH_INT.get(flat.dtype, flat.dtype)
         for block in blocks:
             dim, partial = 0 if block.per_column else 1, []
