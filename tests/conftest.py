@@ -279,18 +279,26 @@ def has_minilm() -> bool:
     return True
 
 
-def _forked_rank(worker, rank: int, port: int, out) -> None:
+_RANK_DONE = "__rank_done__"  # what a forked rank puts on the queue after its worker returned
+
+
+def _forked_rank(worker, rank: int, port: int, out, read) -> None:
     import torch
 
     torch.set_num_threads(1)  # the test process's OpenMP threads do not exist in the fork
     worker(rank, port, out)
+    out.put(_RANK_DONE)
+    # a tensor put on the queue travels as a file descriptor this process serves: stay until the parent has read it
+    # (a parent slowed down by a busy machine would otherwise find the sender gone)
+    read.wait(120)
 
 
 def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) -> tuple[list, list]:
     """Fork ``world`` processes running ``worker(rank, port, queue)`` (a free loopback port for their process
-    group) and collect ``expected`` items from the queue; stops early when every rank has ended. Returns the items
-    and the ranks' exit codes (a rank still running after 30 s is killed: None). Forked, the ranks start with
-    what the test process has imported (torch, Lightning, the package) instead of importing it all again."""
+    group) and collect ``expected`` items from the queue; stops early when every rank's worker has returned or a rank
+    failed. Returns the items and the ranks' exit codes (a rank still running after 30 s is killed: None). Forked,
+    the ranks start with what the test process has imported (torch, Lightning, the package) instead of importing it
+    all again."""
     import queue
     import socket
     import time
@@ -301,17 +309,23 @@ def run_gloo_ranks(worker, expected: int, world: int = 2, timeout: float = 120) 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_forked_rank, args=(worker, r, port, out)) for r in range(world)]
+    out, read = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_forked_rank, args=(worker, r, port, out, read)) for r in range(world)]
     for p in procs:
         p.start()
-    items, deadline = [], time.monotonic() + timeout
-    while len(items) < expected and time.monotonic() < deadline:
+    items, done, deadline = [], 0, time.monotonic() + timeout
+    while len(items) < expected and done < world and time.monotonic() < deadline:
         try:
-            items.append(out.get(timeout=1))
+            item = out.get(timeout=1)
         except queue.Empty:
-            if not any(p.is_alive() for p in procs):  # a rank failed: do not wait for what will never come
+            if any(p.exitcode not in (None, 0) for p in procs):  # a rank failed: what it owed will never come
                 break
+            continue
+        if isinstance(item, str) and item == _RANK_DONE:
+            done += 1
+        else:
+            items.append(item)
+    read.set()
     for p in procs:
         p.join(timeout=30)
         if p.exitcode is None:
