@@ -218,10 +218,10 @@ class QuantCodec(BuiltinCodec):
                 s = torch.cat(partial)
                 if block.rows == 1:
                     s = s.sum().view(1) if mean else s.amax().view(1)
-            if not mean:
-                s = s.view(flat.dtype)
             if mean:
                 s = s / (block.rows if block.per_column else block.cols)
+            else:
+                s = s.view(flat.dtype)  # the integer max read back as the float it is
             scales[block.first_scale : block.first_scale + s.numel()] = s
         return scales
 
