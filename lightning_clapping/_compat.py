@@ -94,6 +94,18 @@ def accelerator_connector(trainer):
     return trainer._accelerator_connector
 
 
+def kernel_device_patches(module, device) -> list[tuple[object, str, str]]:
+    """(model, attribute, value) for every Hugging Face model inside ``module``: the device its kernels are chosen for.
+
+    transformers (5.x, with the ``kernels`` package installed) chooses a pretrained model's kernels again whenever
+    ``train()``/``eval()`` changes its mode, for the device of its first parameter unless its private
+    ``_kernels_device`` names one. On a stage that does not hold that parameter (the embeddings) it lies on the meta
+    device, which the chooser refuses, so the first validation of a model in training mode would fail there.
+    """
+    return [(m, "_kernels_device", device.type) for m in module.modules()
+            if isinstance(getattr(type(m), "kernels_mode", None), property)]
+
+
 def set_metric_step_value(metric, value) -> None:
     """Lightning reads a logged torchmetrics Metric's per-step value from its private ``_forward_cache``."""
     metric._forward_cache = value
@@ -107,6 +119,7 @@ __all__ = [
     "restore_weights_only",
     "default_store",
     "dcp_load_state_dict",
+    "kernel_device_patches",
     "set_metric_step_value",
     "SubprocessScriptLauncher",
     "all_gather_if_available",

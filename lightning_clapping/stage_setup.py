@@ -86,6 +86,8 @@ def build_stage(trainer: pl.Trainer, module: pl.LightningModule, options: Clappi
     runner = StageRunner(module, partition, placement.stage, options.activation_checkpointing)
     runner.release_foreign_state()
     materialize_own_stage(module, partition, placement.stage, placement.device, options.pretrained)
+    for obj, name, value in _compat.kernel_device_patches(module, placement.device):
+        patches.set(obj, name, value)
     runner.install()
     patches.set(module, "optimizer_zero_grad", None)  # the step driver zeroes the gradients itself
     if placement.num_replicas == 1:

@@ -107,3 +107,14 @@ def test_two_stages_read_only_their_own_minilm_tensors_and_hold_the_pretrained_m
     assert reads[0] | reads[1] == in_file - {"embeddings.position_ids"}  # ... and every one read once
     assert held.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(held[k], expected[k])] == []  # what from_pretrained builds
+
+
+@pytest.mark.skipif(not has_minilm(), reason="needs the MiniLM package and transformers (the test extras)")
+def test_a_pretrained_hugging_face_model_in_training_mode_validates_on_a_stage_without_its_embeddings(tmp_path):
+    # transformers chooses a pretrained model's kernels again at each train/eval switch, for the device of its first
+    # parameter: on the later stage that one is on the meta device
+    launch_forked("hf_train_mode_run.py", str(tmp_path), ranks=2, cwd=tmp_path, timeout=400)
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(0.0 <= row["val_acc"] <= 1.0 for row in rows)
+    assert all(row["encoder_training"] for row in rows)  # its training mode is back after the validation
+    assert not any(row["kernel_device_left"] for row in rows)  # the model is handed back as it came
