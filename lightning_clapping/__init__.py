@@ -8,7 +8,7 @@ from lightning_clapping.codecs import Codec, available_codecs, get_codec, regist
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
 from lightning_clapping.ft import FaultTolerance
 from lightning_clapping.codecs.feedback import VARIANTS
-from lightning_clapping.pipeline.bottleneck import Bottleneck, BottleneckAfter
+from lightning_clapping.pipeline.bottleneck import Bottleneck, BottleneckAfter, fit_bottlenecks
 from lightning_clapping.pipeline.materialize import MaterializeError, building_on_meta, materialize_module
 from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
 from lightning_clapping.pipeline.stage import SplitError
@@ -38,6 +38,7 @@ __all__ = [
     "available_codecs",
     "building_on_meta",
     "build_partition",
+    "fit_bottlenecks",
     "get_codec",
     "materialize_module",
     "register_codec",

@@ -174,3 +174,110 @@ def test_a_bottleneck_after_a_block_passes_the_block_s_arguments_and_compresses_
     assert wrapped.attention_type == "sliding"
     with pytest.raises(AttributeError):
         wrapped.not_an_attribute
+
+
+# ------------------------------------------------------------------- fit_bottlenecks: a start from the data
+class _Reversed(torch.nn.Module):
+    """Two bottlenecks registered in the opposite order of the one the forward reaches them in."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = Bottleneck(12, 3)
+        self.mix = torch.nn.Linear(12, 12)
+        self.early = Bottleneck(12, 3)
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.mix(self.early(x))))
+
+
+def _low_rank_batches(seed=0, features=12, rank=3, n=4):
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(rank, features, generator=g)
+    return [torch.randn(64, rank, generator=g) @ basis + 0.01 * torch.randn(64, features, generator=g)
+            for _ in range(n)]
+
+
+def test_a_fitted_bottleneck_keeps_the_directions_its_inputs_span():
+    from lightning_clapping import fit_bottlenecks
+
+    torch.manual_seed(0)
+    batches = _low_rank_batches()
+    b = Bottleneck(12, 3)
+    random_error = sum((b(x) - x).pow(2).sum() for x in batches) / sum(x.pow(2).sum() for x in batches)
+    kept = fit_bottlenecks(b, batches)
+    with torch.no_grad():
+        error = sum((b(x) - x).pow(2).sum() for x in batches) / sum(x.pow(2).sum() for x in batches)
+    assert random_error > 0.3 and error < 1e-3 and kept[""] == pytest.approx(1 - float(error), abs=1e-6)
+    torch.testing.assert_close(b.down.weight @ b.down.weight.t(), torch.eye(3), atol=1e-6, rtol=0)
+    assert torch.equal(b.up.weight, b.down.weight.t())
+
+
+def test_bottlenecks_are_fitted_in_the_order_the_forward_reaches_them_and_only_from_the_data():
+    from lightning_clapping import fit_bottlenecks
+
+    batches = _low_rank_batches(features=12, rank=5)
+    torch.manual_seed(1)
+    model = _Reversed().train()
+    torch.manual_seed(2)
+    other = _Reversed()
+    other.mix.load_state_dict(model.mix.state_dict())  # the same model, its bottlenecks started elsewhere
+    model.mix.eval()  # a submodule kept in eval mode inside a training model stays so
+    kept = fit_bottlenecks(model, batches)
+    assert list(kept) == ["early", "late"] and model.training and model.early.training and not model.mix.training
+    fitted = {k: v.clone() for k, v in model.state_dict().items()}
+    # each one was fitted with the ones before it in place: fitting again finds the same directions
+    again = fit_bottlenecks(model, batches)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, fitted[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert again == pytest.approx(kept, abs=1e-6)
+    # the start does not depend on the random one it replaces: same batches, same weights (every rank agrees)
+    fit_bottlenecks(other, batches)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, fitted[k]), k
+
+
+def test_fit_bottlenecks_refuses_what_it_cannot_fit_with_the_reason():
+    from lightning_clapping import fit_bottlenecks
+
+    batches = _low_rank_batches()
+    with pytest.raises(ValueError, match="holds no Bottleneck"):
+        fit_bottlenecks(torch.nn.Linear(12, 12), batches)
+    with pytest.raises(ValueError, match="iterated more than once"):
+        fit_bottlenecks(Bottleneck(12, 3), iter(batches))
+    model = torch.nn.ModuleDict({"used": Bottleneck(12, 3), "unused": Bottleneck(12, 3)})
+    with pytest.raises(ValueError, match="never reached unused"):
+        fit_bottlenecks(model, batches, run=lambda x: model["used"](x))
+
+
+def test_fit_bottlenecks_starts_a_hugging_face_model_s_bottleneck_from_what_crosses_the_cut():
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_clapping import BottleneckAfter, fit_bottlenecks
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=50, n_positions=16))
+    model.transformer.h[1] = BottleneckAfter(model.transformer.h[1], 32, 4)
+    bottleneck = model.transformer.h[1].bottleneck
+    batches = [torch.randint(0, 50, (4, 16)) for _ in range(3)]
+    seen = []
+    bottleneck.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().reshape(-1, 32)))
+
+    def energy_kept():
+        seen.clear()
+        with torch.no_grad():
+            for ids in batches:
+                model(input_ids=ids)
+            x = torch.cat(seen)
+            return float(bottleneck(x).pow(2).sum() / x.pow(2).sum())
+
+    model.eval()
+    random_start = energy_kept()
+    model.train()
+    kept = fit_bottlenecks(model, batches, run=lambda ids: model(input_ids=ids))
+    assert list(kept) == ["transformer.h.1.bottleneck"] and model.training
+    model.eval()
+    fitted = energy_kept()
+    # the projection keeps what its eigenvectors span of the inputs it was fitted on, far more than a random one
+    assert fitted == pytest.approx(kept["transformer.h.1.bottleneck"], abs=1e-4)
+    assert fitted > 2 * random_start

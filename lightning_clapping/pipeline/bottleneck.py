@@ -28,16 +28,26 @@ a ``Bottleneck``, so the model's own loop stays as it is, and the attributes the
 from the wrapped one. The split point then names the bottleneck inside the wrapper (``"...layer.5.bottleneck"``).
 Hidden states that transformers records from the block itself (``output_hidden_states=True``, by hooks on the
 block's class) are the block's output before the bottleneck.
+
+A random subspace suits a model trained from scratch, not a pretrained one: its later layers expect what the earlier
+ones produce, and a random projection removes most of it. ``fit_bottlenecks(model, batches, run)`` starts every
+bottleneck from the principal directions of the values it receives instead (the top ``rank`` eigenvectors of their
+second-moment matrix, so ``up(down(x))`` is the orthogonal projection that keeps most of their energy), fitting them
+in the order the forward reaches them, each with the ones before it in place. It runs the model forward in one
+process, without gradients, on the batches given; run it before ``Trainer.fit``, like any other change to the
+initial weights.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 INITS = ("projection", "rescaled")
 
-__all__ = ["Bottleneck", "BottleneckAfter"]
+__all__ = ["Bottleneck", "BottleneckAfter", "fit_bottlenecks"]
 
 
 class Bottleneck(nn.Module):
@@ -104,3 +114,81 @@ class BottleneckAfter(nn.Module):
         if isinstance(out, tuple):
             return (self.bottleneck(out[0]), *out[1:])
         return self.bottleneck(out)
+
+
+def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any], Any] | None = None
+                    ) -> dict[str, float]:
+    """Start every :class:`Bottleneck` in ``model`` from the principal directions of the values that reach it.
+
+    ``run(batch)`` runs the model's forward on one batch (default ``model(batch)``); it is called under
+    ``torch.no_grad()`` with every module in eval mode (each one's mode is restored afterwards), once per bottleneck
+    and batch, so ``batches`` must be iterable more than once (a list or a DataLoader). Each pass fits the first
+    bottleneck the forward reaches among those not yet fitted, so every bottleneck is fitted to what it receives with
+    the ones before it already fitted. ``down`` gets the top ``rank`` eigenvectors of the inputs' second-moment matrix
+    (computed in float64, signs fixed so that each one's largest entry is positive: the same batches give the same
+    weights on every process) and ``up`` its transpose.
+
+    Returns, by module name, the fraction of its inputs' energy (summed squares) that each bottleneck keeps.
+    """
+    found = {name: m for name, m in model.named_modules() if isinstance(m, Bottleneck)}
+    if not found:
+        raise ValueError("fit_bottlenecks: the model holds no Bottleneck (insert one with Bottleneck or "
+                         "BottleneckAfter first)")
+    if iter(batches) is batches:
+        raise ValueError("fit_bottlenecks: batches are run once per bottleneck, so pass something that can be iterated "
+                         "more than once (a list or a DataLoader), not an iterator or generator")
+    run = model if run is None else run
+    kept: dict[str, float] = {}
+    # Each module's own flag is kept and put back as it was (a pretrained submodule may stay in eval mode inside a
+    # training model). Flags are set, not train()/eval() called: some models override those (Hugging Face's switch
+    # kernels there).
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        while len(kept) < len(found):
+            name, bottleneck, gram = _second_moments(found, kept, batches, run)
+            values, vectors = torch.linalg.eigh(gram)  # ascending
+            top = vectors[:, -bottleneck.rank :].flip(1)
+            signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))
+            top = top * torch.where(signs == 0, 1.0, signs)
+            with torch.no_grad():
+                bottleneck.down.weight.copy_(top.t())
+                bottleneck.up.weight.copy_(top)
+            total = float(values.sum())
+            kept[name] = float(values[-bottleneck.rank :].sum()) / total if total > 0 else 1.0
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return kept
+
+
+def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],
+                    run: Callable[[Any], Any]) -> tuple[str, Bottleneck, Tensor]:
+    """One pass over ``batches``: the first bottleneck not in ``done`` that the forward reaches, and the float64
+    second-moment matrix ``x^T x`` of everything it received."""
+    order: list[str] = []
+    grams: dict[str, Tensor] = {}
+
+    def hook(name: str):
+        def record(module: Bottleneck, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, module.features).double()
+            if name not in grams:
+                order.append(name)
+                grams[name] = torch.zeros(module.features, module.features, dtype=torch.float64, device=x.device)
+            grams[name].addmm_(x.t(), x)
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in found.items() if n not in done]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                run(batch)
+    finally:
+        for h in handles:
+            h.remove()
+    if not order:
+        missing = ", ".join(n for n in found if n not in done)
+        raise ValueError(f"fit_bottlenecks: the forward never reached {missing} on these batches; check that `run` "
+                         f"calls the model's forward and that batches is not empty")
+    return order[0], found[order[0]], grams[order[0]]
