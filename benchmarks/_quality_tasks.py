@@ -167,7 +167,15 @@ BOTTLENECK: dict[str, tuple[int, str]] = {
     "bn16 moderate": (16, "projection"),
     **{s: (8, "rescaled") for s in ("bn8 rescaled", "bn8 rescaled q8")},
     "bn16 rescaled q8": (16, "rescaled"),
+    # started from the principal directions of what reaches each cut (lightning_clapping.fit_bottlenecks on the
+    # first FIT_BATCHES training batches): for a pretrained model, whose later layers expect what the earlier ones
+    # produce; bn2 / bn3 / bn4 keep 192 / 128 / 96 of the 384 values per position
+    **{s: (3, "pca") for s in ("bn3 pca", "bn3 pca q4")},
+    **{s: (4, "pca") for s in ("bn4 pca", "bn4 pca moderate")},
+    "bn2 pca aggressive": (2, "pca"),
 }
+#: training batches that fit_bottlenecks sees for a "pca" start: the first ones of the run's own (seeded) loader
+FIT_BATCHES = 8
 #: codec settings of benchmarks/quality.py scheduled over training (lightning_clapping.CodecScheduler): the fraction of
 #: the steps after which the codecs change, and the (forward, backward) codecs from then on
 SCHEDULED: dict[str, tuple[float, tuple[str, str]]] = {
@@ -191,6 +199,24 @@ def _char_transformer():
     return CharTransformer
 
 
+def _start(init: str) -> str:
+    """The Bottleneck's own ``init`` for a benchmark start: "pca" begins as the projection, then fit_to_data."""
+    return "projection" if init == "pca" else init
+
+
+def fit_to_data(task: "Task", model: L.LightningModule, dm: L.LightningDataModule) -> dict[str, float]:
+    """``fit_bottlenecks`` on the first FIT_BATCHES batches of ``dm``'s training loader (it shuffles with a generator
+    of its own, so the run's global random state and batch order stay as they are)."""
+    from lightning_clapping import fit_bottlenecks
+
+    batches = []
+    for batch in dm.train_dataloader():
+        batches.append(batch)
+        if len(batches) == FIT_BATCHES:
+            break
+    return fit_bottlenecks(model, batches, run=lambda batch: task.fit_forward(model, batch))
+
+
 def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], divisor: int, init: str,
                      width_of: Callable[[nn.Module, int], int]) -> tuple[L.LightningModule, list[str]]:
     """The model with a trainable ``Bottleneck(w, w // divisor, init)`` inserted in ``model.<container>`` before each of
@@ -207,7 +233,7 @@ def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], 
         if i in cuts:
             width = width_of(old, i)
             points.append(f"{container}.{len(items)}")
-            items.append(Bottleneck(width, width // divisor, init))
+            items.append(Bottleneck(width, width // divisor, _start(init)))
         items.append(module)
     setattr(model, container, nn.Sequential(*items) if isinstance(old, nn.Sequential) else nn.ModuleList(items))
     return model, points
@@ -222,7 +248,7 @@ def with_bottlenecks_after(model: L.LightningModule, container: str, cuts: list[
 
     blocks, points = model.get_submodule(container), []
     for i in cuts:
-        blocks[i - 1] = BottleneckAfter(blocks[i - 1], width, width // divisor, init)
+        blocks[i - 1] = BottleneckAfter(blocks[i - 1], width, width // divisor, _start(init))
         points.append(f"{container}.{i - 1}.bottleneck")
     return model, points
 
@@ -248,6 +274,8 @@ class Task:
     #: (model, divisor, init) -> (the model with a Bottleneck of width // divisor at every cut, its split points)
     add_bottlenecks: Callable[[L.LightningModule, int, str], tuple[L.LightningModule, list[str]]]
     gradient_clip_val: float | None = None
+    #: (model, batch) -> the model's forward on one training batch (for fit_to_data)
+    fit_forward: Callable[[L.LightningModule, Any], Any] = lambda model, batch: model(batch[0])
 
     def missing(self) -> str | None:
         return missing_reason(self.source)
@@ -316,5 +344,6 @@ TASKS: dict[str, Task] = {
         # after layers 0, 2 and 4: the residual stream, width 384
         add_bottlenecks=lambda model, divisor, init: with_bottlenecks_after(
             model, "encoder.encoder.layer", [1, 3, 5], divisor, init, model.encoder.config.hidden_size),
+        fit_forward=lambda model, batch: model(batch["input_ids"], batch["attention_mask"]),
     ),
 }

@@ -1,7 +1,7 @@
 """Quality against bytes: every compression variant through a 4-stage pipeline on three real tasks.
 
     python benchmarks/quality.py             # the full comparison (3 seeds, all variants; prints its estimate)
-    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 2 h on 2 cores (BENCHMARKS.md's numbers)
+    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 7 h on 2 cores (BENCHMARKS.md's numbers)
     python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
     python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
     options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare wordnet_minilm, --seeds N,
@@ -30,7 +30,9 @@ at every cut (``bn4``, ``bn8``, ``bn16``), alone and with codecs on its code; an
 (``lightning_clapping.CodecScheduler``): ``q1 then moderate`` (one bit until 80 % of the steps, then q4/q8, direct and
 Clapping-FC) and ``aggressive then moderate`` (q2/q4, then q4/q8 for the last quarter); and lazy sampling's p
 changed halfway (``LazySamplingDataModule(p={0: p, step: p2})``): Clapping-FU with random 10 % from p = 0.5 to 0.25
-and from 0.25 to 0.5, Clapping-FC q4/q8 from p = 0.5 to 1. The report draws the
+and from 0.25 to 0.5, Clapping-FC q4/q8 from p = 0.5 to 1; for the fine-tuning task only (``ONLY_FOR``), a bottleneck
+of width / 4, / 3 or / 2 started from the principal directions of what reaches each cut (``bn4 pca`` ...:
+``lightning_clapping.fit_bottlenecks`` on the first 8 training batches), alone and with codecs. The report draws the
 bytes-quality frontier of every configuration and judges the 20x goal (within 1 point / 2 %) for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
@@ -78,7 +80,7 @@ torch.set_num_threads(1)  # four stage processes share a small CPU
 import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
-from _quality_tasks import BOTTLENECK, P_SCHEDULED, SCHEDULED, TASKS  # noqa: E402
+from _quality_tasks import BOTTLENECK, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -108,6 +110,12 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "bn8 rescaled": (None, None, None),
     "bn8 rescaled q8": ("q8", "q8", None),
     "bn16 rescaled q8": ("q8", "q8", None),
+    # the same, started from the principal directions of what reaches each cut (a pretrained model's start)
+    "bn3 pca": (None, None, None),
+    "bn3 pca q4": ("q4", "q4", None),
+    "bn4 pca": (None, None, None),
+    "bn4 pca moderate": ("q4", "q8", None),
+    "bn2 pca aggressive": ("q2", "q4", None),
     # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's (see
     # _quality_tasks)
     "q1 then moderate": ("q1", "q1", None),
@@ -158,14 +166,26 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("clapping-fu", 0.5, "randk fresh-q4 then p=0.25"),
     ("clapping-fu", SMALL_P, "randk fresh-q4 then p=0.5"),
     ("clapping-fc", 0.5, "moderate then p=1"),
+    # a bottleneck started from the data's principal directions, for the pretrained model (ONLY_FOR): alone and
+    # with q4/q8 on 96 of 384 values (about 21x), alone and with q4 both ways on 128 (about 24x), q2/q4 on 192 (21x)
+    ("uncompressed", 1.0, "bn4 pca"),
+    ("direct", 1.0, "bn4 pca moderate"),
+    ("uncompressed", 1.0, "bn3 pca"),
+    ("direct", 1.0, "bn3 pca q4"),
+    ("direct", 1.0, "bn2 pca aggressive"),
 ]
+#: configurations that only one task runs: a start fitted to a pretrained model's activations
+ONLY_FOR: dict[str, str] = {label: "wordnet_minilm" for label in (
+    "uncompressed bn4 pca", "direct bn4 pca moderate", "uncompressed bn3 pca", "direct bn3 pca q4",
+    "direct bn2 pca aggressive")}
 
 #: the configurations the fine-tuning task runs when a mode runs all (``--configs`` unset): the reference, lazy
 #: sampling alone, the mild codecs plain and under Clapping-FC, one bit per value plain and under Clapping-FC, the
 #: bottleneck with q8 on its code, and Clapping-FU's random 10 % (the other tasks run every configuration)
 TASK_CONFIGS: dict[str, list[str]] = {
     "wordnet_minilm": ["uncompressed", "uncompressed p=0.5", "direct moderate", "clapping-fc p=0.5 moderate",
-                       "direct q1", "clapping-fc p=0.5 q1", "direct bn8 q8", "clapping-fu p=0.5 randk fresh-q4"],
+                       "direct q1", "clapping-fc p=0.5 q1", "direct bn8 q8", "clapping-fu p=0.5 randk fresh-q4",
+                       *ONLY_FOR],
 }
 
 #: per mode: seeds, runs (None: all), and per task steps, validation interval, train/eval subsets
@@ -283,7 +303,8 @@ def build_plan(args: argparse.Namespace) -> list[RunConfig]:
                 t["steps"] = max(t["val_every"], round(t["steps"] * args.steps_scale / t["val_every"]) * t["val_every"])
             task_wanted = TASK_CONFIGS.get(task) if wanted is None else wanted
             for variant, p, setting, lazy in all_configs():
-                if task_wanted is not None and config_label(variant, p, setting) not in task_wanted:
+                label = config_label(variant, p, setting)
+                if task_wanted is not None and label not in task_wanted or ONLY_FOR.get(label, task) != task:
                     continue
                 plan.append(RunConfig(task=task, variant=variant, p=p, setting=setting, seed=seed, lazy=lazy,
                                       mode=args.mode, **t))
@@ -378,6 +399,8 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     model, split_points = task.make_model(dm), task.split_points
     if cfg.setting in BOTTLENECK:
         model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
+        if BOTTLENECK[cfg.setting][1] == "pca":
+            fit_to_data(task, model, dm)
     p: float | dict[int, float] = cfg.p
     if cfg.setting in P_SCHEDULED:
         _, fraction, later = P_SCHEDULED[cfg.setting]
