@@ -247,6 +247,11 @@ def test_fit_bottlenecks_refuses_what_it_cannot_fit_with_the_reason():
     model = torch.nn.ModuleDict({"used": Bottleneck(12, 3), "unused": Bottleneck(12, 3)})
     with pytest.raises(ValueError, match="never reached unused"):
         fit_bottlenecks(model, batches, run=lambda x: model["used"](x))
+    b = Bottleneck(12, 3)
+    before = b.down.weight.detach().clone()
+    with pytest.raises(ValueError, match="values reaching .* hold NaN or inf"):
+        fit_bottlenecks(b, [batches[0], torch.full((2, 12), float("nan"))])
+    assert torch.equal(b.down.weight, before)  # nothing half-fitted
 
 
 def test_fit_bottlenecks_starts_a_hugging_face_model_s_bottleneck_from_what_crosses_the_cut():

@@ -148,6 +148,10 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     try:
         while len(kept) < len(found):
             name, bottleneck, gram = _second_moments(found, kept, batches, run)
+            if not bool(torch.isfinite(gram).all()):
+                raise ValueError(f"fit_bottlenecks: the values reaching {name} hold NaN or inf on these batches, so "
+                                 f"there are no principal directions to start it from; check the model's forward on "
+                                 f"them (its weights, the data) before fitting")
             values, vectors = torch.linalg.eigh(gram)  # ascending
             top = vectors[:, -bottleneck.rank :].flip(1)
             signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))
