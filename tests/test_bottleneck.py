@@ -210,6 +210,9 @@ def test_a_fitted_bottleneck_keeps_the_directions_its_inputs_span():
     assert random_error > 0.3 and error < 1e-3 and kept[""] == pytest.approx(1 - float(error), abs=1e-6)
     torch.testing.assert_close(b.down.weight @ b.down.weight.t(), torch.eye(3), atol=1e-6, rtol=0)
     assert torch.equal(b.up.weight, b.down.weight.t())
+    # each direction's sign is fixed (its largest-magnitude entry positive), so no process may pick the other one
+    rows = b.down.weight.detach()
+    assert bool((rows.gather(1, rows.abs().argmax(1, keepdim=True)) > 0).all())
 
 
 def test_bottlenecks_are_fitted_in_the_order_the_forward_reaches_them_and_only_from_the_data():
@@ -252,6 +255,32 @@ def test_fit_bottlenecks_refuses_what_it_cannot_fit_with_the_reason():
     with pytest.raises(ValueError, match="values reaching .* hold NaN or inf"):
         fit_bottlenecks(b, [batches[0], torch.full((2, 12), float("nan"))])
     assert torch.equal(b.down.weight, before)  # nothing half-fitted
+    twice = Bottleneck(12, 3)
+    with pytest.raises(ValueError, match="called more than once per forward"):
+        fit_bottlenecks(twice, batches, run=lambda x: twice(twice(x)))
+    shared = torch.nn.ModuleDict({"a": Bottleneck(12, 3), "b": Bottleneck(12, 3)})
+    shared["b"].down = shared["a"].down
+    with pytest.raises(ValueError, match="a and b share a weight"):
+        fit_bottlenecks(shared, batches, run=lambda x: shared["b"](shared["a"](x)))
+
+
+def test_fit_bottlenecks_leaves_no_hook_and_every_mode_as_it_was_when_the_forward_fails():
+    from lightning_clapping import fit_bottlenecks
+
+    model = _Reversed().train()
+    model.mix.eval()
+
+    def failing(x):
+        model(x)
+        raise RuntimeError("the user's forward failed")
+
+    with pytest.raises(RuntimeError, match="forward failed"):
+        fit_bottlenecks(model, _low_rank_batches(), run=failing)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert model.training and model.early.training and not model.mix.training
+    # a bottleneck the model calls by keyword is fitted like any other
+    kept = fit_bottlenecks(model.early, _low_rank_batches(), run=lambda x: model.early(x=x))
+    assert kept[""] > 0.99
 
 
 def test_fit_bottlenecks_starts_a_hugging_face_model_s_bottleneck_from_what_crosses_the_cut():

@@ -40,7 +40,8 @@ initial weights.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -125,8 +126,13 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     and batch, so ``batches`` must be iterable more than once (a list or a DataLoader). Each pass fits the first
     bottleneck the forward reaches among those not yet fitted, so every bottleneck is fitted to what it receives with
     the ones before it already fitted. ``down`` gets the top ``rank`` eigenvectors of the inputs' second-moment matrix
-    (computed in float64, signs fixed so that each one's largest entry is positive: the same batches give the same
-    weights on every process) and ``up`` its transpose.
+    (computed in float64; each one's sign chosen so that its largest-magnitude entry is positive) and ``up`` its
+    transpose. The result depends only on the values that reach each bottleneck, not on its earlier weights: processes
+    that compute bit-identical forwards on the same batches (same hardware, library and thread count) get the same
+    weights. Where that is not certain, fit once and load the saved weights everywhere.
+
+    A bottleneck must be called once per forward, and bottlenecks must not share their ``down`` or ``up``: both are
+    refused, since the values reaching such a bottleneck would depend on its own weights.
 
     Returns, by module name, the fraction of its inputs' energy (summed squares) that each bottleneck keeps.
     """
@@ -134,7 +140,14 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     if not found:
         raise ValueError("fit_bottlenecks: the model holds no Bottleneck (insert one with Bottleneck or "
                          "BottleneckAfter first)")
-    if iter(batches) is batches:
+    owners: dict[int, str] = {}
+    for name, bottleneck in found.items():
+        for half in (bottleneck.down, bottleneck.up):
+            other = owners.setdefault(id(half.weight), name)
+            if other != name:
+                raise ValueError(f"fit_bottlenecks: {other} and {name} share a weight; fitting one would change the "
+                                 f"other, so give each cut a Bottleneck of its own")
+    if isinstance(batches, Iterator):
         raise ValueError("fit_bottlenecks: batches are run once per bottleneck, so pass something that can be iterated "
                          "more than once (a list or a DataLoader), not an iterator or generator")
     run = model if run is None else run
@@ -171,28 +184,38 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
                     run: Callable[[Any], Any]) -> tuple[str, Bottleneck, Tensor]:
     """One pass over ``batches``: the first bottleneck not in ``done`` that the forward reaches, and the float64
     second-moment matrix ``x^T x`` of everything it received."""
-    order: list[str] = []
-    grams: dict[str, Tensor] = {}
+    first: list[str] = []
+    gram: list[Tensor] = []
+    calls: dict[str, int] = {}
 
     def hook(name: str):
-        def record(module: Bottleneck, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, module.features).double()
-            if name not in grams:
-                order.append(name)
-                grams[name] = torch.zeros(module.features, module.features, dtype=torch.float64, device=x.device)
-            grams[name].addmm_(x.t(), x)
+        def record(module: Bottleneck, args: tuple, kwargs: dict) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            if calls[name] > 1:
+                raise ValueError(f"fit_bottlenecks: {name} is called more than once per forward; the values reaching "
+                                 f"it then depend on its own weights, so it has no start of its own to fit")
+            if not first:
+                first.append(name)
+            if first[0] != name:
+                return
+            x = (args[0] if args else kwargs["x"]).detach().reshape(-1, module.features)
+            x = x.to("cpu" if x.device.type == "mps" else x.device, torch.float64)  # MPS has no float64
+            if not gram:
+                gram.append(torch.zeros(module.features, module.features, dtype=torch.float64, device=x.device))
+            gram[0].addmm_(x.t(), x)
         return record
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in found.items() if n not in done]
+    handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in found.items() if n not in done]
     try:
         with torch.no_grad():
             for batch in batches:
+                calls.clear()
                 run(batch)
     finally:
         for h in handles:
             h.remove()
-    if not order:
+    if not first:
         missing = ", ".join(n for n in found if n not in done)
         raise ValueError(f"fit_bottlenecks: the forward never reached {missing} on these batches; check that `run` "
                          f"calls the model's forward and that batches is not empty")
-    return order[0], found[order[0]], grams[order[0]]
+    return first[0], found[first[0]], gram[0]
