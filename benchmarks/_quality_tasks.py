@@ -171,8 +171,9 @@ BOTTLENECK: dict[str, tuple[int, str]] = {
     # first FIT_BATCHES training batches): for a pretrained model, whose later layers expect what the earlier ones
     # produce; bn2 / bn3 / bn4 keep 192 / 128 / 96 of the 384 values per position
     **{s: (3, "pca") for s in ("bn3 pca", "bn3 pca q4")},
-    **{s: (4, "pca") for s in ("bn4 pca", "bn4 pca moderate")},
+    "bn4 pca moderate": (4, "pca"),
     "bn2 pca aggressive": (2, "pca"),
+    "bn3 q4": (3, "projection"),  # the control: bn3 pca q4's width and codecs, from the random projection
 }
 #: training batches that fit_bottlenecks sees for a "pca" start: the first ones of the run's own (seeded) loader
 FIT_BATCHES = 8
