@@ -124,12 +124,13 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     ``run(batch)`` runs the model's forward on one batch (default ``model(batch)``); it is called under
     ``torch.no_grad()`` with every module in eval mode (each one's mode is restored afterwards), once per bottleneck
     and batch, so ``batches`` must be iterable more than once (a list or a DataLoader). Each pass fits the first
-    bottleneck the forward reaches among those not yet fitted, so every bottleneck is fitted to what it receives with
-    the ones before it already fitted. ``down`` gets the top ``rank`` eigenvectors of the inputs' second-moment matrix
-    (computed in float64; each one's sign chosen so that its largest-magnitude entry is positive) and ``up`` its
-    transpose. The result depends only on the values that reach each bottleneck, not on its earlier weights: processes
-    that compute bit-identical forwards on the same batches (same hardware, library and thread count) get the same
-    weights. Where that is not certain, fit once and load the saved weights everywhere.
+    bottleneck the forward reaches among those not yet fitted, so every bottleneck is fitted to what it receives
+    with the ones before it already fitted. ``down`` gets the top ``rank`` eigenvectors of the inputs' second-moment
+    matrix (computed in float64; each one's sign chosen so that its largest-magnitude entry is positive) and ``up``
+    its transpose, whatever ``init`` the bottleneck was built with (its ``init`` attribute is left as it was). The
+    result depends only on the values that reach each bottleneck, not on its earlier weights: processes that compute
+    bit-identical forwards on the same batches (same hardware, library and thread count) get the same weights. Where
+    that is not certain, fit once and load the saved weights everywhere.
 
     A bottleneck must be called once per forward, and bottlenecks must not share their ``down`` or ``up``: both are
     refused, since the values reaching such a bottleneck would depend on its own weights.
