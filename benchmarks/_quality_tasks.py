@@ -15,6 +15,7 @@ Every model uses Adam(W) with a fixed learning rate schedule that is the same fo
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,11 +211,7 @@ def fit_to_data(task: "Task", model: L.LightningModule, dm: L.LightningDataModul
     of its own, so the run's global random state and batch order stay as they are)."""
     from lightning_clapping import fit_bottlenecks
 
-    batches = []
-    for batch in dm.train_dataloader():
-        batches.append(batch)
-        if len(batches) == FIT_BATCHES:
-            break
+    batches = list(itertools.islice(dm.train_dataloader(), FIT_BATCHES))
     return fit_bottlenecks(model, batches, run=lambda batch: task.fit_forward(model, batch))
 
 

@@ -126,6 +126,11 @@ CODEC_SETTINGS.update({name: CODEC_SETTINGS[held] for name, (held, _, _) in P_SC
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
 
+def config_label(variant: str, p: float, setting: str | None) -> str:
+    label = f"{variant} p={p:g}" if variant.startswith("clapping") or p < 1 else variant
+    return label if setting is None else f"{label} {setting}"
+
+
 #: the compression frontier beyond the grid: (variant, p, codec setting), aiming at >= 20x fewer bytes than
 #: uncompressed within 1 point / 2 %. Clapping-FU sends fresh steps with the fresh codec (q3/q4 with fp16
 #: scales, about 7-10x) and reuse steps as 10 % random values in 4 bits (about 80x): about 13x at p = 0.5 with q4,
@@ -166,19 +171,21 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
     ("clapping-fu", 0.5, "randk fresh-q4 then p=0.25"),
     ("clapping-fu", SMALL_P, "randk fresh-q4 then p=0.5"),
     ("clapping-fc", 0.5, "moderate then p=1"),
-    # a bottleneck started from the data's principal directions, for the pretrained model (ONLY_FOR): q4/q8 on 96 of
-    # 384 values (about 21x), alone and with q4 both ways on 128 (about 24x), q2/q4 on 192 (21x); and the 128-wide one
-    # with q4 started as the random projection, the control that tells the start from the width
+]
+#: frontier configurations that only the fine-tuning task runs: a bottleneck started from the principal directions of
+#: what reaches each cut of the pretrained model, q4/q8 on 96 of 384 values (about 21x), alone and with q4 both ways on
+#: 128 (about 24x), q2/q4 on 192 (21x); and the 128-wide one with q4 started as the random projection, the control
+#: that tells the start from the width
+FINE_TUNING_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn4 pca moderate"),
     ("uncompressed", 1.0, "bn3 pca"),
     ("direct", 1.0, "bn3 pca q4"),
     ("direct", 1.0, "bn2 pca aggressive"),
     ("direct", 1.0, "bn3 q4"),
 ]
-#: configurations that only one task runs: a start fitted to a pretrained model's activations
-ONLY_FOR: dict[str, str] = {label: "wordnet_minilm" for label in (
-    "direct bn4 pca moderate", "uncompressed bn3 pca", "direct bn3 pca q4", "direct bn2 pca aggressive",
-    "direct bn3 q4")}
+FRONTIER_CONFIGS += FINE_TUNING_CONFIGS
+#: configuration label -> the only task that runs it
+ONLY_FOR: dict[str, str] = {config_label(*config): "wordnet_minilm" for config in FINE_TUNING_CONFIGS}
 
 #: the configurations the fine-tuning task runs when a mode runs all (``--configs`` unset): the reference, lazy
 #: sampling alone, the mild codecs plain and under Clapping-FC, one bit per value plain and under Clapping-FC, the
@@ -265,11 +272,6 @@ class RunConfig:
         self.label = config_label(self.variant, self.p, self.setting)
         self.key = (f"{self.mode}|{self.task}|{self.label}|seed={self.seed}|steps={self.steps}|"
                     f"limit={self.limit}|eval={self.eval_samples}")
-
-
-def config_label(variant: str, p: float, setting: str | None) -> str:
-    label = f"{variant} p={p:g}" if variant.startswith("clapping") or p < 1 else variant
-    return label if setting is None else f"{label} {setting}"
 
 
 def all_configs() -> list[tuple[str, float, str | None, bool]]:
