@@ -10,6 +10,11 @@ the codec start from the same machine state. The headline is the ratio of median
 encode + decode (= codec throughput / copy throughput); absolute times are printed for context, they drift between
 runs on a shared machine.
 
+Where numba is installed, ``q2``, ``q4`` and ``q8`` (per-channel) run the fused CPU kernels
+(``lightning_clapping/codecs/fused_cpu.py``) on these shapes; each of those codecs then gets a second row, ``path``
+``eager``, timed in the same loop with the kernels turned off (the code that runs without numba). The two paths write
+the same bytes.
+
 ``--threads`` (default 1) sets torch's intra-op threads: a pipeline stage process gets one thread when several
 stages share a small CPU. ``--tiny`` is a smoke test (small tensors, 2 repeats). Results go to ``codec_speed.json``
 and ``codec_speed.csv`` under ``--out``, with a description of the machine.
@@ -23,6 +28,7 @@ each against the same tensor sent as float32. ``--payloads-only`` prints just th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import statistics
@@ -34,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lightning_clapping.comm.wire import message_nbytes  # noqa: E402
-from lightning_clapping.codecs import compression_ratio, get_codec  # noqa: E402
+from lightning_clapping.codecs import compression_ratio, fused_cpu, get_codec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe  # noqa: E402
@@ -79,7 +85,13 @@ def print_payloads(rows: list[dict]) -> None:
 
 
 def machine() -> dict:
-    return describe(torch_threads=torch.get_num_threads())
+    try:
+        import numba
+
+        numba_version = numba.__version__
+    except ImportError:
+        numba_version = None
+    return describe(torch_threads=torch.get_num_threads(), numba=numba_version)
 
 
 class CacheFlush:
@@ -93,7 +105,19 @@ class CacheFlush:
             self.buffer.fill_(1.0)
 
 
-def measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush: CacheFlush) -> dict:
+def runs_fused(spec: str, shape: tuple[int, ...]) -> bool:
+    codec = get_codec(spec)
+    return hasattr(codec, "runs_fused") and codec.runs_fused(torch.empty(shape))
+
+
+def measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush: CacheFlush, eager: bool) -> dict:
+    """One row; ``eager``: with the fused CPU kernels turned off."""
+    with fused_cpu.eager() if eager else contextlib.nullcontext():
+        path = "eager" if eager or not runs_fused(spec, shape) else "fused"
+        return _measure(spec, shape, warmup, repeats, flush, path)
+
+
+def _measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush: CacheFlush, path: str) -> dict:
     codec = get_codec(spec)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     y = torch.empty_like(x)
@@ -127,6 +151,7 @@ def measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush:
     fp32_bytes = 4 * x.numel()
     return {
         "codec": spec,
+        "path": path,
         "shape": "x".join(map(str, shape)),
         "values": x.numel(),
         "payload_bytes": codec.payload_nbytes(x.shape, x.dtype),
@@ -146,12 +171,13 @@ def measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'shape':>9} {'codec':<12} {'compr':>6} {'copy ms':>8} {'enc ms':>8} {'dec ms':>8} {'into ms':>8} "
+    head = (f"{'shape':>9} {'codec':<12} {'path':<5} {'compr':>6} {'copy ms':>8} {'enc ms':>8} {'dec ms':>8} "
+            f"{'into ms':>8} "
             f"{'GB/s':>6} {'vs copy':>8} {'(into)':>7} {'rel err':>8}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['shape']:>9} {r['codec']:<12} {r['compression_vs_fp32']:>5.1f}x {r['copy_ms']:>8.3f} "
+        print(f"{r['shape']:>9} {r['codec']:<12} {r['path']:<5} {r['compression_vs_fp32']:>5.1f}x {r['copy_ms']:>8.3f} "
               f"{r['encode_ms']:>8.3f} {r['decode_ms']:>8.3f} {r['decode_into_ms']:>8.3f} "
               f"{r['encode_decode_gbps']:>6.2f} {r['ratio_to_copy']:>8.3f} {r['ratio_to_copy_decode_into']:>7.3f} "
               f"{r['relative_error']:>8.1e}")
@@ -205,12 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape in shapes:
         for spec in args.codecs:
-            rows.append(measure(spec, shape, warmup, repeats, flush))
+            rows.append(measure(spec, shape, warmup, repeats, flush, eager=False))
+            if rows[-1]["path"] == "fused":
+                rows.append(measure(spec, shape, warmup, repeats, flush, eager=True))
     print_table(rows)
     for r in rows:
         if r["codec"] == HEADLINE:
-            print(f"\n{HEADLINE} (per-channel) on {r['shape']}: encode+decode at {r['ratio_to_copy']:.2f} of memory-copy "
-                  f"throughput ({r['encode_decode_gbps']:.2f} vs {r['copy_gbps']:.2f} GB/s of fp32 input); "
+            print(f"\n{HEADLINE} (per-channel, {r['path']}) on {r['shape']}: encode+decode at {r['ratio_to_copy']:.2f} "
+                  f"of memory-copy throughput ({r['encode_decode_gbps']:.2f} vs {r['copy_gbps']:.2f} GB/s of fp32 input); "
                   f"{r['ratio_to_copy_decode_into']:.2f} decoding into a reused buffer", end="")
     print("\n\nBytes on the wire (computed): payload and whole message against the same tensor in float32\n")
     print_payloads(payloads)

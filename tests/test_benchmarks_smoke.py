@@ -34,6 +34,18 @@ def test_codec_speed_times_the_shapes_asked_for_under_the_stem_asked_for(tmp_pat
     assert (tmp_path / "small.csv").is_file() and not (tmp_path / "codec_speed.json").exists()
 
 
+def test_codec_speed_times_a_fused_quantizer_beside_its_eager_code(tmp_path):
+    pytest.importorskip("numba", reason="the fused CPU kernels need numba (in the test extras)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import codec_speed
+
+    codec_speed.main(["--tiny", "--codecs", "q4", "identity", "--shapes", "256x256", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "codec_speed.json").read_text())["rows"]
+    assert [(r["codec"], r["path"]) for r in rows] == [("q4", "fused"), ("q4", "eager"), ("identity", "eager")]
+    fused, eager = rows[0], rows[1]
+    assert fused["payload_bytes"] == eager["payload_bytes"] and fused["relative_error"] == eager["relative_error"]
+
+
 def test_codec_speed_benchmark_runs_and_reports_ratios_to_memory_copy(tmp_path):
     import torch
 
