@@ -13,8 +13,8 @@ compare the two paths byte for byte). A peer without numba reads the payload unc
 They run only where they apply: a float32 CPU tensor of at least :data:`MIN_VALUES` values, per-channel
 scales, round to nearest, 2, 4 or 8 bits, and a layout whose packing planes start on whole rows (see
 :func:`applies`). Everything else, and every machine without numba, takes the eager path. Messages below
-:data:`MIN_VALUES` gain little, and leaving them eager spares a process that only sends small tensors the import and
-compilation of numba (about a second, once per process; compiled kernels are cached on disk).
+:data:`MIN_VALUES` gain little, and leaving them eager spares a process that only sends small tensors the import of numba
+and the compilation of the kernels (numba caches the compiled kernels on disk, so compiling is paid once per machine).
 """
 
 from __future__ import annotations
