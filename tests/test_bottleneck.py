@@ -264,6 +264,55 @@ def test_fit_bottlenecks_refuses_what_it_cannot_fit_with_the_reason():
         fit_bottlenecks(shared, batches, run=lambda x: shared["b"](shared["a"](x)))
 
 
+def _padded_batches(seed=0, features=12, rank=3, n=4):
+    """Dicts of [16, 10, features] values: real tokens in a rank-``rank`` subspace, padding (the last 5 positions of
+    every other sample) far larger and along other directions, and the attention mask that tells them apart."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(features, features, generator=g))[0].t()
+    out = []
+    for _ in range(n):
+        x = torch.randn(16, 10, rank, generator=g) @ basis[:rank]
+        mask = torch.ones(16, 10, dtype=torch.long)
+        mask[::2, 5:] = 0
+        junk = 30 * torch.randn(16, 10, features - rank, generator=g) @ basis[rank:]
+        out.append({"x": torch.where(mask.bool().unsqueeze(-1), x, junk), "attention_mask": mask})
+    return out
+
+
+def _kept_on_real_tokens(b, batches):
+    with torch.no_grad():
+        real = torch.cat([d["x"][d["attention_mask"].bool()] for d in batches])
+        return float(b.down(real).pow(2).sum() / real.pow(2).sum())
+
+
+def test_fit_bottlenecks_counts_only_the_positions_asked_for():
+    from lightning_clapping import fit_bottlenecks
+
+    batches = _padded_batches()
+    b = Bottleneck(12, 3)
+    fit_bottlenecks(b, batches, run=lambda d: b(d["x"]))
+    everywhere = _kept_on_real_tokens(b, batches)
+    kept = fit_bottlenecks(b, batches, run=lambda d: b(d["x"]), positions=lambda d: d["attention_mask"].bool())
+    assert everywhere < 0.5  # fitted to the padding's directions, the real tokens lose most of their energy
+    assert _kept_on_real_tokens(b, batches) > 1 - 1e-6 and kept[""] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_fit_bottlenecks_refuses_positions_that_do_not_fit_the_values_with_the_reason():
+    from lightning_clapping import fit_bottlenecks
+
+    batches = _padded_batches()
+    b = Bottleneck(12, 3)
+    before = b.down.weight.detach().clone()
+    run = lambda d: b(d["x"])  # noqa: E731
+    with pytest.raises(ValueError, match=r"bool tensor shaped like .* \(16, 10\), got torch.int64 \(16, 10\)"):
+        fit_bottlenecks(b, batches, run=run, positions=lambda d: d["attention_mask"])
+    with pytest.raises(ValueError, match=r"\(16, 10\), got torch.bool \(16,\)"):
+        fit_bottlenecks(b, batches, run=run, positions=lambda d: d["attention_mask"][:, 0].bool())
+    with pytest.raises(ValueError, match="no position reaching .* counted"):
+        fit_bottlenecks(b, batches, run=run, positions=lambda d: torch.zeros(16, 10, dtype=torch.bool))
+    assert torch.equal(b.down.weight, before)
+
+
 def test_fit_bottlenecks_leaves_no_hook_and_every_mode_as_it_was_when_the_forward_fails():
     from lightning_clapping import fit_bottlenecks
 

@@ -117,8 +117,8 @@ class BottleneckAfter(nn.Module):
         return self.bottleneck(out)
 
 
-def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any], Any] | None = None
-                    ) -> dict[str, float]:
+def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any], Any] | None = None,
+                    positions: Callable[[Any], Tensor] | None = None) -> dict[str, float]:
     """Start every :class:`Bottleneck` in ``model`` from the principal directions of the values that reach it.
 
     ``run(batch)`` runs the model's forward on one batch (default ``model(batch)``); it is called under
@@ -131,6 +131,11 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     result depends only on the values that reach each bottleneck, not on its earlier weights: processes that compute
     bit-identical forwards on the same batches (same hardware, library and thread count) get the same weights. Where
     that is not certain, fit once and load the saved weights everywhere.
+
+    ``positions(batch)``, if given, says which positions count: a bool tensor shaped like the leading dimensions of
+    what reaches each bottleneck (for a ``[batch, seq, features]`` input, ``[batch, seq]``). With a padded text batch,
+    ``positions=lambda batch: batch["attention_mask"].bool()`` fits the real tokens only, so no direction is spent on
+    the padding, which a masked attention never reads. Kept fractions are then those of the counted positions.
 
     A bottleneck must be called once per forward, and bottlenecks must not share their ``down`` or ``up``: both are
     refused, since the values reaching such a bottleneck would depend on its own weights.
@@ -161,7 +166,7 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
         m.training = False
     try:
         while len(kept) < len(found):
-            name, bottleneck, gram = _second_moments(found, kept, batches, run)
+            name, bottleneck, gram = _second_moments(found, kept, batches, run, positions)
             if not bool(torch.isfinite(gram).all()):
                 raise ValueError(f"fit_bottlenecks: the values reaching {name} hold NaN or inf on these batches, so "
                                  f"there are no principal directions to start it from; check the model's forward on "
@@ -182,12 +187,15 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
 
 
 def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],
-                    run: Callable[[Any], Any]) -> tuple[str, Bottleneck, Tensor]:
+                    run: Callable[[Any], Any], positions: Callable[[Any], Tensor] | None
+                    ) -> tuple[str, Bottleneck, Tensor]:
     """One pass over ``batches``: the first bottleneck not in ``done`` that the forward reaches, and the float64
-    second-moment matrix ``x^T x`` of everything it received."""
+    second-moment matrix ``x^T x`` of everything it received (at the counted ``positions``)."""
     first: list[str] = []
     gram: list[Tensor] = []
     calls: dict[str, int] = {}
+    counted: list[Tensor | None] = [None]
+    rows = [0]
 
     def hook(name: str):
         def record(module: Bottleneck, args: tuple, kwargs: dict) -> None:
@@ -199,11 +207,15 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
                 first.append(name)
             if first[0] != name:
                 return
-            x = (args[0] if args else kwargs["x"]).detach().reshape(-1, module.features)
+            x = (args[0] if args else kwargs["x"]).detach()
+            if counted[0] is not None:
+                x = x[_positions_for(name, x, counted[0])]
+            x = x.reshape(-1, module.features)
             x = x.to("cpu" if x.device.type == "mps" else x.device, torch.float64)  # MPS has no float64
             if not gram:
                 gram.append(torch.zeros(module.features, module.features, dtype=torch.float64, device=x.device))
             gram[0].addmm_(x.t(), x)
+            rows[0] += x.shape[0]
         return record
 
     handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in found.items() if n not in done]
@@ -211,6 +223,7 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
         with torch.no_grad():
             for batch in batches:
                 calls.clear()
+                counted[0] = None if positions is None else positions(batch)
                 run(batch)
     finally:
         for h in handles:
@@ -219,4 +232,17 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
         missing = ", ".join(n for n in found if n not in done)
         raise ValueError(f"fit_bottlenecks: the forward never reached {missing} on these batches; check that `run` "
                          f"calls the model's forward and that batches is not empty")
+    if rows[0] == 0:
+        raise ValueError(f"fit_bottlenecks: no position reaching {first[0]} counted on these batches (positions(batch) "
+                         f"was False everywhere); pass batches with real tokens, or check the mask")
     return first[0], found[first[0]], gram[0]
+
+
+def _positions_for(name: str, x: Tensor, mask: Tensor) -> Tensor:
+    """``mask`` checked against the input ``x`` of bottleneck ``name``, on ``x``'s device."""
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:-1]):
+        got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"fit_bottlenecks: positions(batch) must be a bool tensor shaped like the leading dimensions "
+                         f"of what reaches {name}, {tuple(x.shape[:-1])}, got {got} (for a padded text batch: "
+                         f"batch['attention_mask'].bool())")
+    return mask.to(x.device)
