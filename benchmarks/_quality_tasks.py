@@ -175,6 +175,8 @@ BOTTLENECK: dict[str, tuple[int, str]] = {
     "bn4 pca moderate": (4, "pca"),
     "bn2 pca aggressive": (2, "pca"),
     "bn3 q4": (3, "projection"),  # the control: bn3 pca q4's width and codecs, from the random projection
+    # fitted on the real tokens only (fit_bottlenecks' positions: the task's fit_positions), not on the padding
+    "bn3 pca-tokens q4": (3, "pca-tokens"),
 }
 #: training batches that fit_bottlenecks sees for a "pca" start: the first ones of the run's own (seeded) loader
 FIT_BATCHES = 8
@@ -201,18 +203,26 @@ def _char_transformer():
     return CharTransformer
 
 
+#: the benchmark starts that fit_to_data fits, and whether each counts only the task's fit_positions
+FITTED = {"pca": False, "pca-tokens": True}
+
+
 def _start(init: str) -> str:
-    """The Bottleneck's own ``init`` for a benchmark start: "pca" begins as the projection, then fit_to_data."""
-    return "projection" if init == "pca" else init
+    """The Bottleneck's own ``init`` for a benchmark start: "pca" and "pca-tokens" begin as the projection, then
+    fit_to_data."""
+    return "projection" if init in FITTED else init
 
 
-def fit_to_data(task: "Task", model: L.LightningModule, dm: L.LightningDataModule) -> dict[str, float]:
+
+def fit_to_data(task: "Task", model: L.LightningModule, dm: L.LightningDataModule, init: str) -> dict[str, float]:
     """``fit_bottlenecks`` on the first FIT_BATCHES batches of ``dm``'s training loader (it shuffles with a generator
-    of its own, so the run's global random state and batch order stay as they are)."""
+    of its own, so the run's global random state and batch order stay as they are); for "pca-tokens", on the
+    positions ``task.fit_positions`` picks."""
     from lightning_clapping import fit_bottlenecks
 
     batches = list(itertools.islice(dm.train_dataloader(), FIT_BATCHES))
-    return fit_bottlenecks(model, batches, run=lambda batch: task.fit_forward(model, batch))
+    positions = task.fit_positions if FITTED[init] else None
+    return fit_bottlenecks(model, batches, run=lambda batch: task.fit_forward(model, batch), positions=positions)
 
 
 def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], divisor: int, init: str,
@@ -274,6 +284,8 @@ class Task:
     gradient_clip_val: float | None = None
     #: (model, batch) -> the model's forward on one training batch (for fit_to_data)
     fit_forward: Callable[[L.LightningModule, Any], Any] = lambda model, batch: model(batch[0])
+    #: batch -> the positions a "pca-tokens" fit counts (fit_bottlenecks' positions), where the task has padding
+    fit_positions: Callable[[Any], Any] | None = None
 
     def missing(self) -> str | None:
         return missing_reason(self.source)
@@ -343,5 +355,6 @@ TASKS: dict[str, Task] = {
         add_bottlenecks=lambda model, divisor, init: with_bottlenecks_after(
             model, "encoder.encoder.layer", [1, 3, 5], divisor, init, model.encoder.config.hidden_size),
         fit_forward=lambda model, batch: model(batch["input_ids"], batch["attention_mask"]),
+        fit_positions=lambda batch: batch["attention_mask"].bool(),  # the real tokens, about half of 32
     ),
 }

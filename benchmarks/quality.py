@@ -32,8 +32,9 @@ Clapping-FC) and ``aggressive then moderate`` (q2/q4, then q4/q8 for the last qu
 changed halfway (``LazySamplingDataModule(p={0: p, step: p2})``): Clapping-FU with random 10 % from p = 0.5 to 0.25
 and from 0.25 to 0.5, Clapping-FC q4/q8 from p = 0.5 to 1; for the fine-tuning task only (``ONLY_FOR``), a bottleneck
 of width / 4, / 3 or / 2 started from the principal directions of what reaches each cut (``bn4 pca`` ...:
-``lightning_clapping.fit_bottlenecks`` on the first 8 training batches), alone and with codecs. The report draws the
-bytes-quality frontier of every configuration and judges the 20x goal (within 1 point / 2 %) for each.
+``lightning_clapping.fit_bottlenecks`` on the first 8 training batches; ``pca-tokens``: on their real tokens only),
+alone and with codecs. The report draws the bytes-quality frontier of every configuration and judges the 20x goal
+(within 1 point / 2 %) for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
@@ -80,7 +81,7 @@ torch.set_num_threads(1)  # four stage processes share a small CPU
 import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
-from _quality_tasks import BOTTLENECK, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
+from _quality_tasks import BOTTLENECK, FITTED, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -113,6 +114,7 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     # the same, started from the principal directions of what reaches each cut (a pretrained model's start)
     "bn3 pca": (None, None, None),
     "bn3 pca q4": ("q4", "q4", None),
+    "bn3 pca-tokens q4": ("q4", "q4", None),
     "bn4 pca moderate": ("q4", "q8", None),
     "bn2 pca aggressive": ("q2", "q4", None),
     "bn3 q4": ("q4", "q4", None),
@@ -174,14 +176,15 @@ FRONTIER_CONFIGS: list[tuple[str, float, str]] = [
 ]
 #: frontier configurations that only the fine-tuning task runs: a bottleneck started from the principal directions of
 #: what reaches each cut of the pretrained model, q4/q8 on 96 of 384 values (about 21x), alone and with q4 both ways on
-#: 128 (about 24x), q2/q4 on 192 (21x); and the 128-wide one with q4 started as the random projection, the control
-#: that tells the start from the width
+#: 128 (about 24x), q2/q4 on 192 (21x); the 128-wide one with q4 started as the random projection, the control
+#: that tells the start from the width; and the 128-wide one with q4 fitted on the real tokens only (not the padding)
 FINE_TUNING_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn4 pca moderate"),
     ("uncompressed", 1.0, "bn3 pca"),
     ("direct", 1.0, "bn3 pca q4"),
     ("direct", 1.0, "bn2 pca aggressive"),
     ("direct", 1.0, "bn3 q4"),
+    ("direct", 1.0, "bn3 pca-tokens q4"),
 ]
 FRONTIER_CONFIGS += FINE_TUNING_CONFIGS
 #: configuration label -> the only task that runs it
@@ -402,8 +405,8 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     model, split_points = task.make_model(dm), task.split_points
     if cfg.setting in BOTTLENECK:
         model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
-        if BOTTLENECK[cfg.setting][1] == "pca":
-            fit_to_data(task, model, dm)
+        if BOTTLENECK[cfg.setting][1] in FITTED:
+            fit_to_data(task, model, dm, BOTTLENECK[cfg.setting][1])
     p: float | dict[int, float] = cfg.p
     if cfg.setting in P_SCHEDULED:
         _, fraction, later = P_SCHEDULED[cfg.setting]

@@ -166,8 +166,8 @@ def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_s
     plans = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(p["last_step_validated"] for p in plans.values()), plans
     # the two tasks trained from scratch: uncompressed twice, then 7 per grid codec setting (direct, ef21, aqsgd, fc
-    # and fu at 2 p), 28 frontier ones; the fine-tuning task: its 13 settings (quality.TASK_CONFIGS)
-    configs_per_task, fine_tuning = 44, 13
+    # and fu at 2 p), 28 frontier ones; the fine-tuning task: its 14 settings (quality.TASK_CONFIGS)
+    configs_per_task, fine_tuning = 44, 14
     runs = 3 * (2 * configs_per_task + fine_tuning)
     assert plans["standard"] == {"runs": runs, "seeds": 3, "last_step_validated": True}
     assert plans["full"]["runs"] == runs
