@@ -11,10 +11,11 @@ is fused into one rounding where the CPU has the instruction, as torch's ``addcm
 compare the two paths byte for byte). A peer without numba reads the payload unchanged.
 
 They run only where they apply: a float32 CPU tensor of at least :data:`MIN_VALUES` values, per-channel
-scales, round to nearest, 2, 4 or 8 bits, and a layout whose packing planes start on whole rows (see
-:func:`applies`). Everything else, and every machine without numba, takes the eager path. Messages below
-:data:`MIN_VALUES` gain little, and leaving them eager spares a process that only sends small tensors the import of numba
-and the compilation of the kernels (numba caches the compiled kernels on disk, so compiling is paid once per machine).
+scales, round to nearest (decoding: either rounding), 2, 4 or 8 bits, and a layout whose packing planes start on whole rows (see
+:func:`applies`). Everything else, and every machine without numba, takes the eager path. Small
+messages are faster fused too, but they cost about a millisecond or less either way; leaving them eager spares a process
+that only sends small tensors the import of numba and the loading of the kernels at its first message (numba caches
+the compiled kernels on disk, so compiling is paid once per machine).
 """
 
 from __future__ import annotations

@@ -208,10 +208,11 @@ class QuantCodec(BuiltinCodec):
         pack_bits(self._codes(flat, blocks, inv, work, seed), self.bits, out=payload[head:])
         return payload
 
-    def runs_fused(self, x: Tensor) -> bool:
-        """Whether the fused CPU kernels (:mod:`~lightning_clapping.codecs.fused_cpu`) encode ``x`` (or decode into
-        it): the same bytes and values as the eager code, in fewer passes."""
-        return self.scale == "channel" and not self.stochastic and fused_cpu.applies(x, self.bits)
+    def runs_fused(self, x: Tensor, decoding: bool = False) -> bool:
+        """Whether the fused CPU kernels (:mod:`~lightning_clapping.codecs.fused_cpu`) encode ``x`` (or, with
+        ``decoding``, decode into it): the same bytes and values as the eager code, in fewer passes. Stochastic
+        rounding is encoded eagerly (its random draws are torch's); its codes decode like any others."""
+        return self.scale == "channel" and (decoding or not self.stochastic) and fused_cpu.applies(x, self.bits)
 
     @staticmethod
     def _scales(flat: Tensor, blocks: list[_Block], n_scales: int, mean: bool) -> Tensor:
@@ -312,7 +313,7 @@ class QuantCodec(BuiltinCodec):
         if not blocks:
             return result
         scales = self._read_scales(payload, n_scales)
-        if self.runs_fused(result):
+        if self.runs_fused(result, decoding=True):
             packed = payload[self._scale_nbytes(n_scales) :]
             fused_cpu.decode_planes(packed, scales, self.bits, self.top_code, out.view(-1, shape[-1]))
             return result
