@@ -3,6 +3,10 @@ where they apply."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -142,3 +146,62 @@ def test_the_eager_block_turns_the_fused_kernels_off_and_back_on():
             assert not codec.runs_fused(x)
         assert not codec.runs_fused(x)
     assert codec.runs_fused(x)
+
+
+def test_the_kernels_stay_off_where_this_torch_rounds_its_multiply_adds_twice():
+    """torch's plain CPU kernels (no fused multiply-add) give other codes at midpoints: the check at load sees it."""
+    code = ("import warnings, torch\n"
+            "from lightning_clapping.codecs import get_codec\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    fused = get_codec('q4').runs_fused(torch.zeros(1024, 128))\n"
+            "print(fused, any('round the quantizer' in str(w.message) for w in caught))\n")
+    out = {}
+    for capability in ("default", None):
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[capability] = proc.stdout.split()[-2:]
+    assert out["default"] == ["False", "True"]  # eager, and a warning that says why
+    assert out[None] == ["True", "False"]  # this machine's own kernels fuse them: the kernels run
+
+
+def test_kernels_that_disagree_with_the_eager_code_or_fail_to_load_are_not_used(monkeypatch):
+    monkeypatch.setattr(fused_cpu, "_kernels", None)
+    original = _numba_kernels.decode_planes
+
+    def off_by_one_ulp(p, s, a, bits, out):
+        original(p, s, a, bits, out)
+        out[...] = out * (1 + 2**-23)
+
+    monkeypatch.setattr(_numba_kernels, "decode_planes", off_by_one_ulp)
+    with pytest.warns(UserWarning, match="round the quantizer's multiply-adds otherwise"):
+        assert fused_cpu._load() is None
+    assert not get_codec("q4").runs_fused(torch.zeros(1024, 128))  # decided once: no second check, no warning
+    monkeypatch.setattr(fused_cpu, "_kernels", None)
+    monkeypatch.setattr(fused_cpu, "_matches_eager", _raise_cannot_cache)
+    with pytest.warns(UserWarning, match="NUMBA_CACHE_DIR"):
+        assert fused_cpu._load() is None
+
+
+def _raise_cannot_cache(kernels):
+    raise RuntimeError("cannot cache function '_encode4': no locator available")
+
+
+def test_without_numba_the_quantizers_ask_for_it_once(monkeypatch):
+    asked = []
+    monkeypatch.setattr(fused_cpu, "_kernels", None)
+    monkeypatch.setattr(fused_cpu, "available", lambda: asked.append(1) or False)
+    codec, x = get_codec("q4"), torch.randn(1024, 128)
+    for _ in range(3):
+        codec.decode(codec.encode(x), x.shape, x.dtype)
+    assert asked == [1]
+
+
+def test_a_lazily_negated_view_is_encoded_eagerly():
+    x = torch.randn(512, 256, dtype=torch.cfloat).conj().imag  # a float32 view with torch's negative bit set
+    codec = get_codec("q4")
+    assert x.is_neg() and not codec.runs_fused(x)
+    assert torch.equal(codec.encode(x), codec.encode(x.resolve_neg()))
