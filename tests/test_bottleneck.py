@@ -311,6 +311,13 @@ def test_fit_bottlenecks_refuses_positions_that_do_not_fit_the_values_with_the_r
     with pytest.raises(ValueError, match="no position reaching .* counted"):
         fit_bottlenecks(b, batches, run=run, positions=lambda d: torch.zeros(16, 10, dtype=torch.bool))
     assert torch.equal(b.down.weight, before)
+    # a later bottleneck that sees other leading dimensions is refused before the first one is fitted
+    pooled = torch.nn.ModuleDict({"tokens": Bottleneck(12, 3), "pooled": Bottleneck(12, 3)})
+    first = pooled["tokens"].down.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"reaches pooled, \(16,\)"):
+        fit_bottlenecks(pooled, batches, run=lambda d: pooled["pooled"](pooled["tokens"](d["x"]).mean(1)),
+                        positions=lambda d: d["attention_mask"].bool())
+    assert torch.equal(pooled["tokens"].down.weight, first)
 
 
 def test_fit_bottlenecks_leaves_no_hook_and_every_mode_as_it_was_when_the_forward_fails():

@@ -135,7 +135,9 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     ``positions(batch)``, if given, says which positions count: a bool tensor shaped like the leading dimensions of
     what reaches each bottleneck (for a ``[batch, seq, features]`` input, ``[batch, seq]``). With a padded text batch,
     ``positions=lambda batch: batch["attention_mask"].bool()`` fits the real tokens only, so no direction is spent on
-    the padding, which a masked attention never reads. Kept fractions are then those of the counted positions.
+    the padding, which a masked attention never reads. Kept fractions are then those of the counted positions. The
+    mask serves every bottleneck, so each must see those leading dimensions; one that does not is refused in the
+    first pass, before any bottleneck changes.
 
     A bottleneck must be called once per forward, and bottlenecks must not share their ``down`` or ``up``: both are
     refused, since the values reaching such a bottleneck would depend on its own weights.
@@ -205,12 +207,12 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
                                  f"it then depend on its own weights, so it has no start of its own to fit")
             if not first:
                 first.append(name)
+            x = (args[0] if args else kwargs["x"]).detach()
+            # every bottleneck still to fit checks the mask in the first pass, before any weight is written
+            mask = None if counted[0] is None else _positions_for(name, x, counted[0])
             if first[0] != name:
                 return
-            x = (args[0] if args else kwargs["x"]).detach()
-            if counted[0] is not None:
-                x = x[_positions_for(name, x, counted[0])]
-            x = x.reshape(-1, module.features)
+            x = (x if mask is None else x[mask]).reshape(-1, module.features)
             x = x.to("cpu" if x.device.type == "mps" else x.device, torch.float64)  # MPS has no float64
             if not gram:
                 gram.append(torch.zeros(module.features, module.features, dtype=torch.float64, device=x.device))
