@@ -11,9 +11,9 @@ encode + decode (= codec throughput / copy throughput); absolute times are print
 runs on a shared machine.
 
 Where numba is installed, ``q2``, ``q4`` and ``q8`` (per-channel) run the fused CPU kernels
-(``lightning_clapping/codecs/fused_cpu.py``) on these shapes; each of those codecs then gets a second row, ``path``
-``eager``, timed in the same loop with the kernels turned off (the code that runs without numba). The two paths write
-the same bytes.
+(``lightning_clapping/codecs/fused_cpu.py``) on these shapes (``:sr`` decodes with them; it encodes eagerly); each of
+those codecs then gets a second row, ``path`` ``eager``, timed in the same loop with the kernels turned off (the code
+that runs without numba). The two paths write the same bytes.
 
 ``--threads`` (default 1) sets torch's intra-op threads: a pipeline stage process gets one thread when several
 stages share a small CPU. ``--tiny`` is a smoke test (small tensors, 2 repeats). Results go to ``codec_speed.json``
@@ -106,8 +106,9 @@ class CacheFlush:
 
 
 def runs_fused(spec: str, shape: tuple[int, ...]) -> bool:
-    codec = get_codec(spec)
-    return hasattr(codec, "runs_fused") and codec.runs_fused(torch.empty(shape))
+    """Whether the codec encodes or decodes with the fused kernels at that shape (``q4:sr`` only decodes so)."""
+    codec, x = get_codec(spec), torch.empty(shape)
+    return hasattr(codec, "runs_fused") and (codec.runs_fused(x) or codec.runs_fused(x, decoding=True))
 
 
 def measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush: CacheFlush, eager: bool) -> dict:
