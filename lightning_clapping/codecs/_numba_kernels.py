@@ -58,38 +58,26 @@ def _inverse(scales, reach, inv):
 
 
 @_jit
-def _encode8(x, scales, reach, rnd, out):
-    inv = np.empty(scales.shape[0], np.float32)
-    if not _inverse(scales, reach, inv):
-        return False
+def _encode8(x, inv, rnd, out):
     for i in range(x.shape[1]):
         for j in range(x.shape[2]):
             out[i, j] = np.uint8(_code(x[0, i, j], inv[j], rnd))
-    return True
 
 
 @_jit
-def _encode4(x, scales, reach, rnd, out):
-    inv = np.empty(scales.shape[0], np.float32)
-    if not _inverse(scales, reach, inv):
-        return False
+def _encode4(x, inv, rnd, out):
     for i in range(x.shape[1]):
         for j in range(x.shape[2]):
             out[i, j] = np.uint8(_code(x[0, i, j], inv[j], rnd) | (_code(x[1, i, j], inv[j], rnd) << 4))
-    return True
 
 
 @_jit
-def _encode2(x, scales, reach, rnd, out):
-    inv = np.empty(scales.shape[0], np.float32)
-    if not _inverse(scales, reach, inv):
-        return False
+def _encode2(x, inv, rnd, out):
     for i in range(x.shape[1]):
         for j in range(x.shape[2]):
             w = inv[j]
             out[i, j] = np.uint8(_code(x[0, i, j], w, rnd) | (_code(x[1, i, j], w, rnd) << 2)
                                  | (_code(x[2, i, j], w, rnd) << 4) | (_code(x[3, i, j], w, rnd) << 6))
-    return True
 
 
 @_jit
@@ -124,7 +112,11 @@ _DECODE = {2: _decode2, 4: _decode4, 8: _decode8}
 
 
 def encode_planes(x, scales, levels, bits, out):
-    return _ENCODE[bits](x, scales, np.float64(levels), np.float32(levels + 0.5), out)
+    inv = np.empty(scales.shape[0], np.float32)
+    if not _inverse(scales, np.float64(levels), inv):
+        return False
+    _ENCODE[bits](x, inv, np.float32(levels + 0.5), out)
+    return True
 
 
 def decode_planes(p, s, a, bits, out):

@@ -178,7 +178,8 @@ class QuantCodec(BuiltinCodec):
         # The scales are the NaN/inf check: a max-abs (or a sum of |x|) is NaN or inf exactly when an input value
         # is, or, for a float32 sum, when it overflowed.
         if fused:
-            scales = fused_cpu.column_absmax(flat.view(-1, x.shape[-1]))
+            x2d = flat.view(-1, x.shape[-1])
+            scales = fused_cpu.column_absmax(x2d)
         else:
             scales = self._scales(flat, blocks, n_scales, mean)
         peak = float(scales.amax())
@@ -198,14 +199,9 @@ class QuantCodec(BuiltinCodec):
             exponent, mantissas, scales = _fp16_scales(scales, peak)
             payload[:2].view(torch.int16).fill_(exponent)
             payload[2:head].view(torch.float16).copy_(mantissas)
-        if self.bits == 1 and not self.stochastic:
-            pack_bits(torch.ge(flat, 0).view(torch.uint8), 1, out=payload[head:])
+        if fused and fused_cpu.encode_planes(x2d, scales, self.bits, self.levels, payload[head:]):
             return payload
-        if fused and fused_cpu.encode_planes(flat.view(-1, x.shape[-1]), scales, self.bits, self.levels,
-                                             payload[head:]):
-            return payload
-        inv, work = self._inverse(scales)
-        pack_bits(self._codes(flat, blocks, inv, work, seed), self.bits, out=payload[head:])
+        pack_bits(self._codes(flat, blocks, scales, seed), self.bits, out=payload[head:])
         return payload
 
     def runs_fused(self, x: Tensor, decoding: bool = False) -> bool:
@@ -243,34 +239,26 @@ class QuantCodec(BuiltinCodec):
             scales[block.first_scale : block.first_scale + s.numel()] = s
         return scales
 
-    @property
-    def _offset(self) -> float:
-        """The code of zero: codes are floor(x * inv + offset + u) (see :meth:`_codes`)."""
-        return 0.5 if self.bits == 1 else float(self.levels)
-
-    def _inverse(self, scales: Tensor) -> tuple[Tensor, torch.dtype]:
-        """(inv, work dtype): the factor from values to code steps, and the float type the codes are computed in."""
+    def _codes(self, flat: Tensor, blocks: list[_Block], scales: Tensor, seed: int) -> Tensor:
+        """One unsigned code per value, as uint8."""
+        if self.bits == 1 and not self.stochastic:
+            return torch.ge(flat, 0).view(torch.uint8)
+        # A code is floor(x * inv + offset + u), u = 1/2 (round to nearest) or u ~ U[0, 1) (stochastic). The value
+        # inside is never negative, so a truncating float->int conversion floors it. int8 converts fastest and holds
+        # codes up to 127, i.e. every width but 8 bits (int16 there). Under a subnormal scale (float64 work below) a
+        # float64 value may exceed its float32 scale by half (code < 2.5L + 1): int16 too, then the clamp.
         # Stochastic sign (one bit): P(+) = (x/s + 1)/2, i.e. inv = 1/(2s) and offset 1/2.
-        reach = 0.5 if self.bits == 1 else float(self.levels)
+        reach, offset = (0.5, 0.5) if self.bits == 1 else (float(self.levels), float(self.levels))
         # inv = reach / s, rounded up where s * inv falls short of `reach` (checked exactly in float64): x = +-s then
         # lands on the end codes under any rounding, which keeps constant tensors exact under stochastic rounding too.
         # A zero scale gets inv = 0 (its values are all zero).
-        up, zero = torch.tensor(math.inf, device=scales.device), scales == 0
+        up, zero = torch.tensor(math.inf, device=flat.device), scales == 0
         inv = scales.reciprocal().mul_(reach)  # what `reach / scales` computes, without Python's __rdiv__ detour
         inv = torch.where(scales.double() * inv.double() < reach, torch.nextafter(inv, up), inv)  # 0 * inf: False
+        work = torch.float32
         if float(inv.masked_fill_(zero, 0.0).amax()) == math.inf:  # a scale below ~1e-37: 1/s overflows float32
-            # float64 work, and inv rounded up without the check: the codes are clamped
+            work = torch.float64  # and inv is rounded up without the check: the codes are clamped
             inv = torch.nextafter(scales.double().reciprocal().mul_(reach), up.double()).masked_fill_(zero, 0.0)
-            return inv, torch.float64
-        return inv, torch.float32
-
-    def _codes(self, flat: Tensor, blocks: list[_Block], inv: Tensor, work: torch.dtype, seed: int) -> Tensor:
-        """One unsigned code per value, as uint8."""
-        # A code is floor(x * inv + offset + u), u = 1/2 (round to nearest) or u ~ U[0, 1) (stochastic). The value
-        # inside is never negative, so a truncating float->int conversion floors it. int8 converts fastest and holds
-        # codes up to 127, i.e. every width but 8 bits (int16 there). Under a subnormal scale (float64 work, see
-        # _inverse) a float64 value may exceed its float32 scale by half (code < 2.5L + 1): int16 too, then the clamp.
-        offset = self._offset
         device = flat.device
         small = self.top_code < 127 and work == torch.float32
         codes = torch.empty(flat.numel(), dtype=torch.int8 if small else torch.int16, device=device)
