@@ -3,6 +3,7 @@
 ``import lightning_clapping`` registers the strategy name, so ``Trainer(strategy="clapping")`` works afterwards.
 """
 
+from lightning_clapping.bottleneck_fitting import FitBottlenecks
 from lightning_clapping.codec_scheduler import CodecScheduler
 from lightning_clapping.codecs import Codec, available_codecs, get_codec, register_codec
 from lightning_clapping.data import BatchInfo, LazySamplingDataModule, LazySamplingLoader
@@ -29,6 +30,7 @@ __all__ = [
     "Codec",
     "CodecScheduler",
     "FaultTolerance",
+    "FitBottlenecks",
     "LazySamplingDataModule",
     "LazySamplingLoader",
     "MaterializeError",

@@ -151,20 +151,9 @@ class StepDriver:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, hook: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``hook`` (validation, test or predict step) over the micro-batches; forward only."""
-        microbatches, sizes = self._split(batch)
-        relay, device, placement = self.relay, self.placement.device, self.placement
-        relay.clear()
+        device, placement = self.placement.device, self.placement
         fn = getattr(self.module, hook)
-
-        def step(mb: Any, j: int) -> Any:
-            with relay.capture(sizes[j]):
-                return fn(mb, *args, **kwargs)
-
-        if self.executor.needs_plan(hook):
-            with self._reported(), first_pass.quiet(self.module, relay):
-                self._report_plan(self.executor.plan_crossings(hook, microbatches[0], step))
-        with self._reported(), self._settling_shared_owners():
-            outputs = self.executor.eval_step(microbatches, step, StepContext(sizes=sizes), hook)
+        outputs, sizes = self.forward_only(hook, batch, lambda mb, j: fn(mb, *args, **kwargs))
         merged = merge_outputs(outputs, sizes) if self.executor.is_last else None
         if hook != "predict_step":
             self.broadcast_logs()  # evaluation sends nothing backward for its results to ride on
@@ -182,6 +171,25 @@ class StepDriver:
             if not self.executor.is_last:
                 merged = None if shared is None else _compat.tree_map_tensors(lambda t: t.to(device), shared)
         return merged
+
+    def forward_only(self, kind: str, batch: Any, fn: Any) -> tuple[list[Any], list[int]]:
+        """Collective over the pipeline: ``fn(microbatch, index)`` on every stage for each micro-batch of ``batch``,
+        forward only (messages as evaluation sends them), its ``self.log`` calls recorded in the relay. Steps of each
+        ``kind`` get their plan of the values crossing cuts first. Returns the last stage's outputs (else []) and the
+        micro-batch sizes."""
+        microbatches, sizes = self._split(batch)
+        relay = self.relay
+        relay.clear()
+
+        def step(mb: Any, j: int) -> Any:
+            with relay.capture(sizes[j]):
+                return fn(mb, j)
+
+        if self.executor.needs_plan(kind):
+            with self._reported(), first_pass.quiet(self.module, relay):
+                self._report_plan(self.executor.plan_crossings(kind, microbatches[0], step))
+        with self._reported(), self._settling_shared_owners():
+            return self.executor.eval_step(microbatches, step, StepContext(sizes=sizes), kind), sizes
 
     @staticmethod
     def _report_plan(plan: Any) -> None:

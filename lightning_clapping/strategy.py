@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
-from lightning_clapping import _compat, checkpoint_hooks, launcher, shuffle, stage_setup
+from lightning_clapping import _compat, bottleneck_fitting, checkpoint_hooks, launcher, shuffle, stage_setup
 from lightning_clapping.checkpoint import state as ckpt
 from lightning_clapping.checkpoint_hooks import StageCheckpoints
 from lightning_clapping.codecs.feedback import MessageRule
@@ -57,7 +57,7 @@ from lightning_clapping.tuning import Tuning
 log = logging.getLogger(__name__)
 
 
-class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, ParallelStrategy):
+class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fitting.OnStages, ParallelStrategy):
     """Pipeline-parallel training: the model is cut into stages, one per process, and optionally replicated for
     data parallelism (``devices * num_nodes = stages * replicas``).
 

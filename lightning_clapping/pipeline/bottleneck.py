@@ -144,20 +144,8 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
 
     Returns, by module name, the fraction of its inputs' energy (summed squares) that each bottleneck keeps.
     """
-    found = {name: m for name, m in model.named_modules() if isinstance(m, Bottleneck)}
-    if not found:
-        raise ValueError("fit_bottlenecks: the model holds no Bottleneck (insert one with Bottleneck or "
-                         "BottleneckAfter first)")
-    owners: dict[int, str] = {}
-    for name, bottleneck in found.items():
-        for half in (bottleneck.down, bottleneck.up):
-            other = owners.setdefault(id(half.weight), name)
-            if other != name:
-                raise ValueError(f"fit_bottlenecks: {other} and {name} share a weight; fitting one would change the "
-                                 f"other, so give each cut a Bottleneck of its own")
-    if isinstance(batches, Iterator):
-        raise ValueError("fit_bottlenecks: batches are run once per bottleneck, so pass something that can be iterated "
-                         "more than once (a list or a DataLoader), not an iterator or generator")
+    found = bottlenecks_of(model, "fit_bottlenecks")
+    check_reusable(batches, "fit_bottlenecks")
     run = model if run is None else run
     kept: dict[str, float] = {}
     # Each module's own flag is kept and put back as it was (a pretrained submodule may stay in eval mode inside a
@@ -169,23 +157,52 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     try:
         while len(kept) < len(found):
             name, bottleneck, gram = _second_moments(found, kept, batches, run, positions)
-            if not bool(torch.isfinite(gram).all()):
-                raise ValueError(f"fit_bottlenecks: the values reaching {name} hold NaN or inf on these batches, so "
-                                 f"there are no principal directions to start it from; check the model's forward on "
-                                 f"them (its weights, the data) before fitting")
-            values, vectors = torch.linalg.eigh(gram)  # ascending
-            top = vectors[:, -bottleneck.rank :].flip(1)
-            signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))
-            top = top * torch.where(signs == 0, 1.0, signs)
-            with torch.no_grad():
-                bottleneck.down.weight.copy_(top.t())
-                bottleneck.up.weight.copy_(top)
-            total = float(values.sum())
-            kept[name] = float(values[-bottleneck.rank :].sum()) / total if total > 0 else 1.0
+            top, kept[name] = principal_directions(gram, bottleneck.rank)
+            set_directions(bottleneck, top)
     finally:
         for m, mode in modes:
             m.training = mode
     return kept
+
+
+def bottlenecks_of(model: nn.Module, who: str) -> dict[str, Bottleneck]:
+    """Every :class:`Bottleneck` of ``model`` by name; refused: none, or two that share a weight."""
+    found = {name: m for name, m in model.named_modules() if isinstance(m, Bottleneck)}
+    if not found:
+        raise ValueError(f"{who}: the model holds no Bottleneck (insert one with Bottleneck or BottleneckAfter first)")
+    owners: dict[int, str] = {}
+    for name, bottleneck in found.items():
+        for half in (bottleneck.down, bottleneck.up):
+            other = owners.setdefault(id(half.weight), name)
+            if other != name:
+                raise ValueError(f"{who}: {other} and {name} share a weight; fitting one would change the other, so "
+                                 f"give each cut a Bottleneck of its own")
+    return found
+
+
+def check_reusable(batches: Iterable[Any], who: str) -> None:
+    if isinstance(batches, Iterator):
+        raise ValueError(f"{who}: batches are run once per bottleneck, so pass something that can be iterated more "
+                         f"than once (a list or a DataLoader), not an iterator or generator")
+
+
+def principal_directions(gram: Tensor, rank: int) -> tuple[Tensor, float]:
+    """The top ``rank`` eigenvectors of a second-moment matrix as columns (each one's largest-magnitude entry made
+    positive), and the fraction of the energy they keep."""
+    values, vectors = torch.linalg.eigh(gram)  # ascending
+    top = vectors[:, -rank:].flip(1)
+    signs = torch.sign(top.gather(0, top.abs().argmax(0, keepdim=True)))
+    top = top * torch.where(signs == 0, 1.0, signs)
+    total = float(values.sum())
+    return top, (float(values[-rank:].sum()) / total if total > 0 else 1.0)
+
+
+def set_directions(bottleneck: Bottleneck, top: Tensor) -> None:
+    """``down`` = ``top``'s transpose, ``up`` = ``top``; a half on the meta device (another stage's) is left alone."""
+    with torch.no_grad():
+        for weight, value in ((bottleneck.down.weight, top.t()), (bottleneck.up.weight, top)):
+            if not weight.is_meta:
+                weight.copy_(value)
 
 
 def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],
@@ -193,58 +210,86 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
                     ) -> tuple[str, Bottleneck, Tensor]:
     """One pass over ``batches``: the first bottleneck not in ``done`` that the forward reaches, and the float64
     second-moment matrix ``x^T x`` of everything it received (at the counted ``positions``)."""
-    first: list[str] = []
-    gram: list[Tensor] = []
-    calls: dict[str, int] = {}
-    counted: list[Tensor | None] = [None]
-    rows = [0]
-
-    def hook(name: str):
-        def record(module: Bottleneck, args: tuple, kwargs: dict) -> None:
-            calls[name] = calls.get(name, 0) + 1
-            if calls[name] > 1:
-                raise ValueError(f"fit_bottlenecks: {name} is called more than once per forward; the values reaching "
-                                 f"it then depend on its own weights, so it has no start of its own to fit")
-            if not first:
-                first.append(name)
-            x = (args[0] if args else kwargs["x"]).detach()
-            # every bottleneck still to fit checks the mask in the first pass, before any weight is written
-            mask = None if counted[0] is None else _positions_for(name, x, counted[0])
-            if first[0] != name:
-                return
-            x = (x if mask is None else x[mask]).reshape(-1, module.features)
-            x = x.to("cpu" if x.device.type == "mps" else x.device, torch.float64)  # MPS has no float64
-            if not gram:
-                gram.append(torch.zeros(module.features, module.features, dtype=torch.float64, device=x.device))
-            gram[0].addmm_(x.t(), x)
-            rows[0] += x.shape[0]
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in found.items() if n not in done]
-    try:
+    with GramRecorder("fit_bottlenecks", {n: m for n, m in found.items() if n not in done}) as recorder:
         with torch.no_grad():
             for batch in batches:
-                calls.clear()
-                counted[0] = None if positions is None else positions(batch)
+                recorder.start_forward(None if positions is None else positions(batch))
                 run(batch)
-    finally:
-        for h in handles:
+    name, gram = recorder.result()
+    return name, found[name], gram
+
+
+class GramRecorder:
+    """Forward pre-hooks on the ``down`` half of each of ``pending`` (by name): per forward (:meth:`start_forward`
+    before each), every one is checked (called once, the mask fits its input), and, with ``record``, the first one
+    reached adds its input's float64 second moments ``x^T x`` (at the counted positions) to :attr:`gram`. Only halves
+    that hold weights are hooked (on a pipeline stage, those of its own stage). A context manager: the hooks go at its
+    end."""
+
+    def __init__(self, who: str, pending: dict[str, Bottleneck], record: bool = True) -> None:
+        self.who, self.record, self.first, self.gram, self.rows = who, record, None, None, 0
+        self._calls: dict[str, int] = {}
+        self._mask: Tensor | None = None
+        self._handles = [m.down.register_forward_pre_hook(self._hook(n), with_kwargs=True)
+                         for n, m in pending.items() if not m.down.weight.is_meta]
+        self._pending = pending
+
+    def __enter__(self) -> GramRecorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
             h.remove()
-    if not first:
-        missing = ", ".join(n for n in found if n not in done)
-        raise ValueError(f"fit_bottlenecks: the forward never reached {missing} on these batches; check that `run` "
-                         f"calls the model's forward and that batches is not empty")
-    if rows[0] == 0:
-        raise ValueError(f"fit_bottlenecks: no position reaching {first[0]} counted on these batches (positions(batch) "
-                         f"was False everywhere); pass batches with real tokens, or check the mask")
-    return first[0], found[first[0]], gram[0]
+        self._handles.clear()
+
+    def start_forward(self, mask: Tensor | None) -> None:
+        self._calls.clear()
+        self._mask = mask
+
+    def _hook(self, name: str):
+        def record(module: nn.Linear, args: tuple, kwargs: dict) -> None:
+            self._calls[name] = self._calls.get(name, 0) + 1
+            if self._calls[name] > 1:
+                raise ValueError(f"{self.who}: {name} is called more than once per forward; the values reaching it "
+                                 f"then depend on its own weights, so it has no start of its own to fit")
+            if self.first is None:
+                self.first = name
+            x = (args[0] if args else kwargs["input"]).detach()
+            # every bottleneck still to fit checks the mask in the first pass, before any weight is written
+            mask = None if self._mask is None else positions_for(self.who, name, x, self._mask)
+            if self.first != name or not self.record:
+                return
+            x = (x if mask is None else x[mask]).reshape(-1, module.in_features)
+            x = x.to("cpu" if x.device.type == "mps" else x.device, torch.float64)  # MPS has no float64
+            if self.gram is None:
+                self.gram = torch.zeros(module.in_features, module.in_features, dtype=torch.float64, device=x.device)
+            self.gram.addmm_(x.t(), x)
+            self.rows += x.shape[0]
+        return record
+
+    def result(self) -> tuple[str, Tensor]:
+        """The first bottleneck reached and its second moments; refused: none reached, no position counted, NaN."""
+        if self.first is None:
+            missing = ", ".join(self._pending)
+            raise ValueError(f"{self.who}: the forward never reached {missing} on these batches; check that `run` "
+                             f"calls the model's forward and that batches is not empty")
+        if self.rows == 0:
+            raise ValueError(f"{self.who}: no position reaching {self.first} counted on these batches "
+                             f"(positions(batch) was False everywhere); pass batches with real tokens, or check the "
+                             f"mask")
+        assert self.gram is not None
+        if not bool(torch.isfinite(self.gram).all()):
+            raise ValueError(f"{self.who}: the values reaching {self.first} hold NaN or inf on these batches, so there "
+                             f"are no principal directions to start it from; check the model's forward on them (its "
+                             f"weights, the data) before fitting")
+        return self.first, self.gram
 
 
-def _positions_for(name: str, x: Tensor, mask: Tensor) -> Tensor:
+def positions_for(who: str, name: str, x: Tensor, mask: Tensor) -> Tensor:
     """``mask`` checked against the input ``x`` of bottleneck ``name``, on ``x``'s device."""
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:-1]):
         got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"fit_bottlenecks: positions(batch) must be a bool tensor shaped like the leading dimensions "
+        raise ValueError(f"{who}: positions(batch) must be a bool tensor shaped like the leading dimensions "
                          f"of what reaches {name}, {tuple(x.shape[:-1])}, got {got} (for a padded text batch: "
                          f"batch['attention_mask'].bool())")
     return mask.to(x.device)

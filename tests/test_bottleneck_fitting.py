@@ -1,0 +1,131 @@
+"""FitBottlenecks: the bottlenecks' start fitted from data at the start of training, in one process or on the
+pipeline's stages (where no process holds the whole model), with the same result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import launch_forked
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+
+RANKS = {"single": 1, "noisy": 1, "plain": 1, "pipe": 3, "replicas": 4, "resume": 1}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fit_bottlenecks")
+    for mode, ranks in RANKS.items():  # resume reads single's checkpoint
+        launch_forked("fit_bottlenecks_run.py", str(out), mode, ranks=ranks, cwd=out)
+    return out
+
+
+def _ranks(out: Path, mode: str) -> list[dict]:
+    return [json.loads((out / f"fit_{mode}_{r}.json").read_text()) for r in range(RANKS[mode])]
+
+
+def _held(out: Path, mode: str) -> dict[str, torch.Tensor]:
+    """Every bottleneck half, from the rank that holds it (each is held by one rank of a pipeline)."""
+    held: dict[str, torch.Tensor] = {}
+    for rank in _ranks(out, mode):
+        for k, v in rank["held"].items():
+            if k in held:
+                torch.testing.assert_close(torch.tensor(v), held[k], rtol=0, atol=0)  # replicas hold the same
+            held[k] = torch.tensor(v)
+    return held
+
+
+def test_the_callback_in_one_process_gives_fit_bottlenecks_weights(runs):
+    from fit_bottlenecks_run import FitMLP, batches
+
+    import lightning as L
+
+    from lightning_clapping import fit_bottlenecks
+
+    L.seed_everything(0, verbose=False)
+    model = FitMLP()
+    kept = fit_bottlenecks(model, batches(), run=lambda b: model.net(b[0]), positions=lambda b: b[1])
+    single = _ranks(runs, "single")[0]
+    assert single["kept"] == pytest.approx(kept, rel=1e-12)
+    held = _held(runs, "single")
+    state = model.state_dict()
+    assert set(held) == {f"net.{i}.{h}.weight" for i in (2, 5) for h in ("down", "up")}
+    for k, v in held.items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_the_stages_fit_the_same_weights_as_one_process(runs):
+    single = _held(runs, "single")
+    pipe = _held(runs, "pipe")
+    assert set(pipe) == set(single)
+    for k in single:
+        torch.testing.assert_close(pipe[k], single[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    kept = _ranks(runs, "single")[0]["kept"]
+    for rank in _ranks(runs, "pipe"):  # every rank knows every kept fraction
+        assert rank["kept"] == pytest.approx(kept, rel=1e-9)
+
+
+def test_no_rank_of_the_pipeline_holds_another_stage_s_half(runs):
+    holders = [set(r["held"]) for r in _ranks(runs, "pipe")]
+    assert sorted(map(sorted, holders)) == sorted([["net.2.down.weight"], ["net.2.up.weight", "net.5.down.weight"],
+                                                   ["net.5.up.weight"]])
+
+
+def test_replicas_fit_on_all_their_batches_and_start_from_the_same_weights(runs):
+    from fit_bottlenecks_run import FitMLP, batches
+
+    import lightning as L
+
+    from lightning_clapping import fit_bottlenecks
+
+    L.seed_everything(0, verbose=False)
+    model = FitMLP()
+    fit_bottlenecks(model, batches(n=4), run=lambda b: model.net(b[0]), positions=lambda b: b[1])
+    replicas = _held(runs, "replicas")  # also checks that both replicas hold identical halves
+    state = model.state_dict()
+    for k, v in replicas.items():  # each replica saw two of the four batches
+        torch.testing.assert_close(v, state[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_pipeline_started_from_fitted_bottlenecks_trains_as_one_process(runs):
+    single = _ranks(runs, "single")[0]["losses"]
+    for rank in _ranks(runs, "pipe"):
+        assert len(rank["losses"]) == 3 and rank["losses"] == pytest.approx(single, rel=0, abs=1e-5)
+
+
+def test_training_draws_the_same_random_numbers_with_and_without_the_fit(runs):
+    fitted, plain = _ranks(runs, "noisy")[0], _ranks(runs, "plain")[0]
+    assert fitted["rng"] == plain["rng"]
+    assert fitted["losses"] != plain["losses"]  # the fit did change the start
+
+
+def test_a_resumed_run_keeps_the_checkpoint_s_weights_instead_of_fitting_again(runs):
+    resumed = _ranks(runs, "resume")[0]
+    state = torch.load(runs / "fit_single.ckpt", weights_only=True)["state_dict"]
+    for k, v in resumed["held"].items():
+        torch.testing.assert_close(torch.tensor(v), state[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    assert resumed["kept"] == _ranks(runs, "single")[0]["kept"]  # the callback's state came back with it
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("mask", "positions(batch) must be a bool tensor shaped like the leading dimensions"),
+    ("differ", "the stages of a pipeline got different batches"),
+])
+def test_the_stages_refuse_what_they_cannot_fit_with_the_reason(tmp_path, mode, message):
+    proc = launch_forked("fit_bottlenecks_run.py", str(tmp_path), mode, ranks=3, cwd=tmp_path, expect_ok=False,
+                         timeout=120)
+    assert proc.returncode != 0 and not proc.timed_out
+    assert message in proc.stderr
+    assert not list(tmp_path.glob("fit_*.json"))  # no rank got as far as training
+
+
+def test_the_callback_refuses_an_iterator_of_batches():
+    from lightning_clapping import FitBottlenecks
+
+    with pytest.raises(ValueError, match="iterated more than once"):
+        FitBottlenecks(iter([torch.zeros(2, 3)]))
