@@ -102,11 +102,12 @@ def test_a_rescaled_bottleneck_keeps_an_even_input_s_energy_with_balanced_halves
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory):
     """GPT-2 (transformers, built from a config) with its second block wrapped by ``BottleneckAfter(block, 32, 8)``:
-    on 2 stages cut at the bottleneck, the same model cut after the wrapper (``gpt2bnwide``), and one process."""
+    on 2 stages cut at the bottleneck, the same model cut after the wrapper (``gpt2bnwide``), and one process; and
+    the bottleneck started by ``FitBottlenecks`` (``gpt2bnfit``), on 2 stages and in one process."""
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("hf_bottleneck")
-    launch_forked("tied_run.py", str(out), "pipe", "gpt2bn,gpt2bnwide", ranks=2, cwd=out, timeout=600)
-    launch_forked("tied_run.py", str(out), "single", "gpt2bn", ranks=1, cwd=out, timeout=600)
+    launch_forked("tied_run.py", str(out), "pipe", "gpt2bn,gpt2bnwide,gpt2bnfit", ranks=2, cwd=out, timeout=600)
+    launch_forked("tied_run.py", str(out), "single", "gpt2bn,gpt2bnfit", ranks=1, cwd=out, timeout=600)
     return out
 
 
@@ -120,6 +121,15 @@ def test_a_bottleneck_in_a_hugging_face_gpt2_trains_on_2_stages_as_in_one_proces
     assert len(pipe["losses"]) == 4 and pipe["losses"] == pytest.approx(single["losses"], rel=0, abs=1e-5)
     a, b = torch.load(hf_runs / "gpt2bn_single_weights.pt"), torch.load(hf_runs / "gpt2bn_pipe_weights.pt")
     assert a.keys() == b.keys() and "model.transformer.h.1.bottleneck.down.weight" in a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_fit_bottlenecks_starts_a_hugging_face_gpt2_on_2_stages_as_in_one_process(hf_runs):
+    pipe, single = _hf_row(hf_runs, "gpt2bnfit", "pipe"), _hf_row(hf_runs, "gpt2bnfit", "single")
+    assert len(pipe["losses"]) == 4 and pipe["losses"] == pytest.approx(single["losses"], rel=0, abs=1e-5)
+    assert pipe["losses"][0] != pytest.approx(_hf_row(hf_runs, "gpt2bn", "pipe")["losses"][0], rel=0, abs=1e-3)
+    a, b = torch.load(hf_runs / "gpt2bnfit_single_weights.pt"), torch.load(hf_runs / "gpt2bnfit_pipe_weights.pt")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 

@@ -14,7 +14,7 @@ replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping 
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
 gpt2bn:   gpt2 with its second block wrapped by ``BottleneckAfter(block, 32, 8)`` (a ``Bottleneck`` on the hidden
           states it returns) and the split point naming that bottleneck; gpt2bnwide: the same model, cut after the
-          wrapper
+          wrapper; gpt2bnfit: gpt2bn with its bottleneck started by ``FitBottlenecks`` (two batches, token 0 left out)
 resume:   (single only) one process resumes the gpt2 pipeline run's checkpoint for a second epoch
 bert_resume: the bert pipeline run's checkpoint resumed for a second epoch (pipe: on 2 stages; single: one process)
 
@@ -115,6 +115,7 @@ CASES = {
     "hparams": ("gpt2", 2, 1, {}, {}, 32),
     "gpt2bn": ("gpt2", 2, 1, {}, {"split_points": ["model.transformer.h.1.bottleneck"]}, 32),
     "gpt2bnwide": ("gpt2", 2, 1, {}, {"split_points": ["model.transformer.h.2"]}, 32),
+    "gpt2bnfit": ("gpt2", 2, 1, {}, {"split_points": ["model.transformer.h.1.bottleneck"]}, 32),
 }
 BOTTLENECK_RANK = 8
 
@@ -138,8 +139,11 @@ def run(out: Path, mode: str, case: str) -> None:
         sampler = DistributedSampler(dataset, 1, 0, shuffle=True, seed=0) if replicas > 1 else None
         data = DataLoader(dataset, batch_size=per_step, sampler=sampler)
     record = Record(TIED[arch])
+    callbacks = [record]
+    if case == "gpt2bnfit":  # the bottleneck started from two batches, token 0 not counted
+        callbacks.append(lightning_clapping.FitBottlenecks([(x[:8],), (x[8:16],)], positions=lambda b: b[0] != 0))
     trainer_kw = {"max_epochs": 1, **trainer_kw}
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[record],
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=callbacks,
                         default_root_dir=out / f"{case}_{mode}", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, **trainer_kw)
     resume = json.loads((out / f"{arch}_pipe_rank0.json").read_text())["checkpoint"] if "resume" in case else None
