@@ -117,3 +117,15 @@ def test_memory_benchmark_measures_every_build_and_the_sharded_save_and_resume(t
     worst = max(r["train_peak"] for r in rows if r["build"] == "configure_model")
     assert result["target"] == ("met" if worst <= 0.8 * model_bytes else "not met")
     assert f"worst rank {worst / model_bytes:.2f}x the model" in proc.stdout
+
+
+def test_bottleneck_fit_benchmark_fits_in_one_process_and_on_the_stages_alike(tmp_path):
+    proc = _run("bottleneck_fit.py", tmp_path)
+    result = json.loads((tmp_path / "bottleneck_fit.json").read_text())
+    rows = result["rows"]
+    assert [r["run"] for r in rows] == ["one process"] + ["4 stages"] * 4
+    assert sorted(r["rank"] for r in rows[1:]) == [0, 1, 2, 3]
+    assert all(0 < r["build_peak"] <= r["fit_peak"] for r in rows)
+    assert result["largest_weight_difference"] == 0.0  # the same forward, the same sums, the same directions
+    assert rows[0]["kept"] == rows[1]["kept"] and len(rows[0]["kept"]) == 3
+    assert f"largest difference between the fitted weights: {result['largest_weight_difference']:.3g}" in proc.stdout
