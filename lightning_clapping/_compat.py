@@ -140,6 +140,15 @@ __all__ = [
 # once, lazy epochs differ in length, and checkpoints must be taken at the batch the loop has consumed)
 
 
+def training_batch(trainer, batch):
+    """``batch`` prepared as the fit loop prepares a training batch: the precision plugin's ``convert_input``, the
+    ``on_before_batch_transfer`` hook (the module's or the datamodule's: private ``_on_before_batch_transfer``), then
+    the strategy's ``batch_to_device`` (``transfer_batch_to_device`` and ``on_after_batch_transfer``)."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
 def fit_combined_loader(trainer):
     """The fit loop's CombinedLoader (private ``fit_loop._combined_loader``): where the running train loader sits."""
     return trainer.fit_loop._combined_loader

@@ -172,12 +172,12 @@ class StepDriver:
                 merged = None if shared is None else _compat.tree_map_tensors(lambda t: t.to(device), shared)
         return merged
 
-    def forward_only(self, kind: str, batch: Any, fn: Any) -> tuple[list[Any], list[int]]:
+    def forward_only(self, kind: str, batch: Any, fn: Any, check_size: bool = True) -> tuple[list[Any], list[int]]:
         """Collective over the pipeline: ``fn(microbatch, index)`` on every stage for each micro-batch of ``batch``,
         forward only (messages as evaluation sends them), its ``self.log`` calls recorded in the relay. Steps of each
         ``kind`` get their plan of the values crossing cuts first. Returns the last stage's outputs (else []) and the
-        micro-batch sizes."""
-        microbatches, sizes = self._split(batch)
+        micro-batch sizes. ``check_size=False`` leaves the first batch's size check to a later batch."""
+        microbatches, sizes = self._split(batch, check_size)
         relay = self.relay
         relay.clear()
 
@@ -197,10 +197,10 @@ class StepDriver:
             rank_zero_info(f"ClappingStrategy: {plan.describe()}")
 
     # ------------------------------------------------------------------ what every step needs
-    def _split(self, batch: Any) -> tuple[list[Any], list[int]]:
+    def _split(self, batch: Any, check_size: bool = True) -> tuple[list[Any], list[int]]:
         n = self.options.microbatches
         microbatches, sizes = split_batch(batch, n)
-        if not self._checked_batch:
+        if check_size and not self._checked_batch:
             self._checked_batch = True
             if sum(sizes) < n:
                 raise ValueError(

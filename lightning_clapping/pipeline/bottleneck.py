@@ -219,6 +219,14 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
     return name, found[name], gram
 
 
+class FitRefused(ValueError):
+    """What a bottleneck cannot be fitted from: ``code`` 1 never reached, 2 no position counted, 3 NaN or inf."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class GramRecorder:
     """Forward pre-hooks on the ``down`` half of each of ``pending`` (by name): per forward (:meth:`start_forward`
     before each), every one is checked (called once, the mask fits its input), and, with ``record``, the first one
@@ -271,17 +279,17 @@ class GramRecorder:
         """The first bottleneck reached and its second moments; refused: none reached, no position counted, NaN."""
         if self.first is None:
             missing = ", ".join(self._pending)
-            raise ValueError(f"{self.who}: the forward never reached {missing} on these batches; check that `run` "
-                             f"calls the model's forward and that batches is not empty")
+            raise FitRefused(f"{self.who}: the forward never reached {missing} on these batches; check that `run` "
+                             f"calls the model's forward and that batches is not empty", 1)
         if self.rows == 0:
-            raise ValueError(f"{self.who}: no position reaching {self.first} counted on these batches "
+            raise FitRefused(f"{self.who}: no position reaching {self.first} counted on these batches "
                              f"(positions(batch) was False everywhere); pass batches with real tokens, or check the "
-                             f"mask")
+                             f"mask", 2)
         assert self.gram is not None
         if not bool(torch.isfinite(self.gram).all()):
-            raise ValueError(f"{self.who}: the values reaching {self.first} hold NaN or inf on these batches, so there "
+            raise FitRefused(f"{self.who}: the values reaching {self.first} hold NaN or inf on these batches, so there "
                              f"are no principal directions to start it from; check the model's forward on them (its "
-                             f"weights, the data) before fitting")
+                             f"weights, the data) before fitting", 3)
         return self.first, self.gram
 
 
