@@ -15,7 +15,7 @@ from conftest import launch_forked
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
 RANKS = {"single": 1, "noisy": 1, "plain": 1, "pipe": 3, "replicas": 4, "late": 3, "resume": 1, "resume_plain": 1,
-         "tuner": 1, "bf16": 3, "bf16single": 1}
+         "tuner": 1, "bf16": 3, "bf16single": 1, "lopsided": 4}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,8 @@ def test_stages_fit_a_bf16_model_as_one_process_does(runs):
     assert _ranks(runs, "bf16")[0]["kept"] == pytest.approx(_ranks(runs, "bf16single")[0]["kept"], rel=1e-9)
 
 
-def test_replicas_fit_on_all_their_batches_and_start_from_the_same_weights(runs):
+@pytest.mark.parametrize("mode, fitted", [("replicas", slice(0, 4)), ("lopsided", slice(0, 2))])
+def test_replicas_fit_on_all_their_batches_and_start_from_the_same_weights(runs, mode, fitted):
     from fit_bottlenecks_run import FitMLP, batches
 
     import lightning as L
@@ -104,10 +105,10 @@ def test_replicas_fit_on_all_their_batches_and_start_from_the_same_weights(runs)
 
     L.seed_everything(0, verbose=False)
     model = FitMLP()
-    fit_bottlenecks(model, batches(n=4), run=lambda b: model.net(b[0]), positions=lambda b: b[1])
-    replicas = _held(runs, "replicas")  # also checks that both replicas hold identical halves
+    fit_bottlenecks(model, batches(n=4)[fitted], run=lambda b: model.net(b[0]), positions=lambda b: b[1])
+    replicas = _held(runs, mode)  # also checks that both replicas hold identical halves
     state = model.state_dict()
-    for k, v in replicas.items():  # each replica saw two of the four batches
+    for k, v in replicas.items():  # replicas: each saw two of the four batches; lopsided: replica 1 saw none
         torch.testing.assert_close(v, state[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
@@ -148,13 +149,14 @@ def test_the_fit_runs_after_a_learning_rate_finder_put_the_start_back(runs):
     ("differ", "the stages of a pipeline got different batches"),
     ("nopos", "no position reaching net.2 counted on these batches"),
     ("nopos", "stage 0 could not fit net.2 (no position counted"),  # what the other stages raise
+    ("small", "microbatches=2 is larger than the batch (1 samples)"),  # the fit's batches are not training's
 ])
 def test_the_stages_refuse_what_they_cannot_fit_with_the_reason(tmp_path, mode, message):
     proc = launch_forked("fit_bottlenecks_run.py", str(tmp_path), mode, ranks=3, cwd=tmp_path, expect_ok=False,
                          timeout=120)
     assert proc.returncode != 0 and not proc.timed_out
     assert message in proc.stderr
-    assert not list(tmp_path.glob("fit_*.json"))  # no rank got as far as training
+    assert not list(tmp_path.glob("fit_*.json"))  # no rank finished training
 
 
 def test_the_callback_refuses_an_iterator_of_batches():

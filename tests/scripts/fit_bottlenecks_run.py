@@ -9,14 +9,15 @@ the fit (``positions=lambda b: b[1]``). Modes:
 - ``single``: one process; ``noisy``: the same drawing input noise in each step; ``plain``: ``noisy`` without the
   callback (it saves a checkpoint);
 - ``pipe``: 3 stages cut at both bottlenecks; ``replicas``: 2 stages (cut at ``net.2``) x 2 replicas, each with half
-  of four batches; ``late``: 3 stages cut at ``net.1`` and ``net.5``, so stage 1 holds all of ``net.2`` and the
+  of four batches (``lopsided``: replica 1 with none); ``late``: 3 stages cut at ``net.1`` and ``net.5``, so stage 1 holds all of ``net.2`` and the
   ``down`` half of ``net.5``, and stage 0 none;
 - ``resume``: one process, resumed from ``single``'s checkpoint (after its 3 steps) for 2 more; ``resume_plain``:
   the same from ``plain``'s checkpoint, saved without the callback;
 - ``tuner``: one process with Lightning's ``LearningRateFinder`` (3 steps, from a checkpoint it restores);
 - ``bf16``: 3 stages as ``pipe`` in ``bf16-true``; ``bf16single``: one process in ``bf16-true``;
 - ``mask``: 3 stages, with a mask that fits no bottleneck's input; ``differ``: 3 stages, with batches that differ
-  between the processes; ``nopos``: 3 stages, with a mask that counts no position.
+  between the processes; ``nopos``: 3 stages, with a mask that counts no position; ``small``: 3 stages, training
+  batches of one sample for 2 micro-batches.
 
 Each rank writes OUT/fit_MODE_RANK.json: the bottleneck halves this rank holds right after the fit (before the first
 step), the callback's kept fractions, a digest of torch's random state at that point, and the training losses.
@@ -73,9 +74,9 @@ def batches(seed=1, n=3):
     return out
 
 
-def data():
+def data(batch_size=8):
     x, mask, y = (torch.cat(t) for t in zip(*batches(seed=2, n=4)))
-    return DataLoader(TensorDataset(x, mask, y), batch_size=8)
+    return DataLoader(TensorDataset(x, mask, y), batch_size=batch_size)
 
 
 class Record(L.Callback):
@@ -96,9 +97,9 @@ def main(out: Path, mode: str) -> None:
     model = FitMLP(noise=0.01 if mode in ("noisy", "plain") else 0.0)
     fit_batches = batches()
     positions = {"mask": lambda b: b[1][:, :-1], "nopos": lambda b: torch.zeros_like(b[1])}.get(mode, lambda b: b[1])
-    if mode == "replicas":  # replica r (ranks 2r, 2r + 1) fits on batches 2r and 2r + 1 of four
+    if mode in ("replicas", "lopsided"):  # replica r (ranks 2r, 2r + 1) fits on batches 2r and 2r + 1 of four
         replica = int(os.environ.get("LOCAL_RANK", 0)) // 2
-        fit_batches = batches(n=4)[2 * replica:2 * replica + 2]
+        fit_batches = batches(n=4)[2 * replica:2 * replica + 2] if mode == "replicas" or replica == 0 else []
     if mode == "differ":
         fit_batches = batches(seed=1 + int(os.environ.get("LOCAL_RANK", 0)))
     fit = None if mode == "plain" else FitBottlenecks(fit_batches, positions=positions)
@@ -107,17 +108,17 @@ def main(out: Path, mode: str) -> None:
     tuner = [LearningRateFinder(num_training_steps=3, early_stop_threshold=None, update_attr=False)] * (mode == "tuner")
     callbacks = [c for c in (*tuner, fit, Record(record, fit)) if c is not None]
     strategy, devices = "auto", 1
-    if mode in ("pipe", "mask", "differ", "nopos", "bf16"):
+    if mode in ("pipe", "mask", "differ", "nopos", "bf16", "small"):
         strategy, devices = ClappingStrategy(split_points=["net.2", "net.5"], microbatches=2), 3
     elif mode == "late":
         strategy, devices = ClappingStrategy(split_points=["net.1", "net.5"], microbatches=2), 3
-    elif mode == "replicas":
+    elif mode in ("replicas", "lopsided"):
         strategy, devices = ClappingStrategy(split_points=["net.2"], microbatches=2), 4
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3 + 2 * bool(resume),
                         precision="bf16-true" if mode.startswith("bf16") else "32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)
-    trainer.fit(model, data(), ckpt_path=out / resume if resume else None)
+    trainer.fit(model, data(1 if mode == "small" else 8), ckpt_path=out / resume if resume else None)
     if mode in ("single", "plain"):
         trainer.save_checkpoint(out / f"fit_{mode}.ckpt")
     record["losses"] = model.losses
