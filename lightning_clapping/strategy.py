@@ -108,7 +108,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             published settings of this variant and p within 1 accuracy point / 2 % loss (a dict: ``frontier``,
             ``accuracy_points``, ``loss_percent``, ``step_tolerance``): :mod:`lightning_clapping.autotune.choose`.
             Rank 0 decides, all follow; the choice is printed, logged (``autotune/...``), checkpointed; compressed only.
-        compress_eval: also compress validation/test/predict activations (directly, with ``forward_codec``).
+        compress_eval: no effect yet: only tensors that require grad are compressed, and none do in evaluation.
         warm_start: send the first message of each slot (and after a shape change) in full precision.
         lazy_messages: skip a reuse-step message while the last difference sent on its slot was smaller than this
             fraction of the buffer's norm (``None``: off); at most ``max_skips`` skips in a row.
