@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -98,15 +96,9 @@ def worker(out: Path, name: str, width: int, blocks: int, batches: int, stages: 
 
 
 def launch(out: Path, name: str, width: int, blocks: int, batches: int, stages: int) -> list[dict]:
-    args = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(
-        [str(out), name, width, blocks, batches, stages])]
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(stages)]
+    from memory import run_worker
+
+    return run_worker(str(Path(__file__).resolve()), out, name, [width, blocks, batches, stages], stages)
 
 
 def largest_difference(out: Path, stages: int) -> float:

@@ -99,17 +99,23 @@ def worker(out: Path, name: str, width: int, blocks: int, stages: int, steps: in
     (out / f"{name}_rank{trainer.global_rank}.json").write_text(json.dumps(row))
 
 
-def launch(out: Path, name: str, width: int, blocks: int, stages: int, steps: int, build: str,
-           save: str | None = None, resume: str | None = None) -> list[dict]:
-    args = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(
-        [str(out), name, width, blocks, stages, steps, build, save, resume])]
+def run_worker(script: str, out: Path, name: str, worker_args: list, ranks: int) -> list[dict]:
+    """``script --worker ARGS`` as a fresh launch (Lightning's launcher starts its other ranks), with the repository
+    and benchmarks/ importable; returns what each rank wrote to OUT/NAME_rankR.json."""
+    args = [sys.executable, script, "--worker", json.dumps([str(out), name, *worker_args])]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(args, cwd=out, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(stages)]
+    return [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def launch(out: Path, name: str, width: int, blocks: int, stages: int, steps: int, build: str,
+           save: str | None = None, resume: str | None = None) -> list[dict]:
+    return run_worker(str(Path(__file__).resolve()), out, name, [width, blocks, stages, steps, build, save, resume],
+                      stages)
 
 
 def main() -> None:
