@@ -139,34 +139,27 @@ def _fit_on_stages(driver: Any, batches: Iterable[Any], run: Callable[[Any], Any
     holder = {n: partition.state_stage[partition.aliases.get(f"{n}.down.weight", f"{n}.down.weight")]
               for n in names}  # the stage that holds ``down``
     kept: dict[str, float] = {}
-    modes = [(m, m.training) for m in module.modules()]
-    for m, _ in modes:  # as fit_bottlenecks: flags set, not train()/eval() called
-        m.training = False
-    try:
-        with torch.no_grad(), first_pass.quiet(module, driver.relay):
-            _check_same_batches(batches, placement)
-            first = next(iter(batches), None)
-            if driver.executor.needs_plan(KIND) and first is not None:  # planning runs the stages on placeholders:
-                driver.forward_only(KIND, prepare(first), lambda mb, j: run(mb), check_size=False)  # no recording
-            while len(kept) < len(names):
-                pending = {n: found[n] for n in names if n not in kept}
-                stage = min(holder[n] for n in pending)  # the next bottleneck is the first this stage reaches
-                mine = {n: m for n, m in pending.items() if holder[n] == placement.stage}
-                with bn.GramRecorder(WHO, mine, record=placement.stage == stage) as recorder:
-                    for batch in batches:
+    with bn.eval_flags(module), torch.no_grad(), first_pass.quiet(module, driver.relay):
+        _check_same_batches(batches, placement)
+        first = next(iter(batches), None)
+        if driver.executor.needs_plan(KIND) and first is not None:  # planning runs the stages on placeholders:
+            driver.forward_only(KIND, prepare(first), lambda mb, j: run(mb), check_size=False)  # no recording
+        while len(kept) < len(names):
+            pending = {n: found[n] for n in names if n not in kept}
+            stage = min(holder[n] for n in pending)  # the next bottleneck is the first this stage reaches
+            mine = {n: m for n, m in pending.items() if holder[n] == placement.stage}
+            with bn.GramRecorder(WHO, mine, record=placement.stage == stage) as recorder:
+                for batch in batches:
 
-                        def step(mb: Any, j: int) -> Any:
-                            recorder.start_forward(None if positions is None else positions(mb))
-                            return run(mb)
+                    def step(mb: Any, j: int) -> Any:
+                        recorder.start_forward(None if positions is None else positions(mb))
+                        return run(mb)
 
-                        driver.forward_only(KIND, prepare(batch), step, check_size=False)
-                name, top, fraction = _share(recorder, stage, names, found, placement)
-                bn.set_directions(found[name], top)
-                kept[name] = fraction
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    return {n: kept[n] for n in names if n in kept}
+                    driver.forward_only(KIND, prepare(batch), step, check_size=False)
+            name, top, fraction = _share(recorder, stage, names, found, placement)
+            bn.set_directions(found[name], top)
+            kept[name] = fraction
+    return {n: kept[n] for n in names}  # in module order
 
 
 def _share(recorder: bn.GramRecorder, stage: int, names: list[str], found: dict[str, bn.Bottleneck],

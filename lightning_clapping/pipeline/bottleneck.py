@@ -41,6 +41,7 @@ initial weights.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -148,21 +149,27 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
     check_reusable(batches, "fit_bottlenecks")
     run = model if run is None else run
     kept: dict[str, float] = {}
-    # Each module's own flag is kept and put back as it was (a pretrained submodule may stay in eval mode inside a
-    # training model). Flags are set, not train()/eval() called: some models override those (Hugging Face's switch
-    # kernels there).
-    modes = [(m, m.training) for m in model.modules()]
-    for m, _ in modes:
-        m.training = False
-    try:
+    with eval_flags(model):
         while len(kept) < len(found):
             name, bottleneck, gram = _second_moments(found, kept, batches, run, positions)
             top, kept[name] = principal_directions(gram, bottleneck.rank)
             set_directions(bottleneck, top)
+    return kept
+
+
+@contextmanager
+def eval_flags(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` in eval mode inside the block, each one's own flag put back afterwards (a pretrained
+    submodule may stay in eval mode inside a training model). Flags are set, not train()/eval() called: some models
+    override those (Hugging Face's switch kernels there)."""
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
     finally:
         for m, mode in modes:
             m.training = mode
-    return kept
 
 
 def bottlenecks_of(model: nn.Module, who: str) -> dict[str, Bottleneck]:
