@@ -15,7 +15,14 @@ real. Operations that read only a tensor's shape, dtype or device (``x.shape``, 
 ``x.new_ones(...)``) do not count as uses and taint nothing.
 
 What depends only on the batch (masks from ``attention_mask``, ``arange`` position ids, rotary tables from position
-ids) is never tainted: every stage recomputes it from its own copy of the batch and nothing is sent. Modules without
+ids) is never tainted: every stage recomputes it from its own copy of the batch and nothing is sent. **Random numbers
+are not batch-only**: each stage's generator is at another place (the stages run different modules, under their own
+seeds), so a value drawn in the parent's code (``torch.randn_like`` noise, a ``torch.rand`` mask, ``torch.randperm``, a
+distribution's sample, functional dropout, ``gumbel_softmax``) is tainted where it is drawn, with the region of the
+stage whose part of the code draws it: that stage draws it for real and sends it to every later stage that uses it,
+exactly as it sends a value computed from its modules. Every stage therefore computes with the one draw a single
+process makes. A random draw turned into a Python value before a stage's entry (stochastic depth decided in the
+parent's loop) cannot be sent and is refused with the op named (:meth:`Crossings.check_conversions`). Modules without
 parameters or persistent buffers (rotary embeddings, mask builders, activations) belong to no stage: they run where
 they are called, so their output is recomputed locally too when their inputs are.
 
@@ -26,6 +33,12 @@ besides the cut module's inputs: a value computed on stage ``j`` and used on sta
 messages of boundaries ``j .. s - 1`` (relayed by the stages in between), and its gradient comes back the same way.
 It is sent with the boundary's own tensors, through the same codec, and counted in the same byte totals.
 
+**Custom autograd Functions.** ``Function.apply`` is no torch function, so the mode does not see it: while a
+micro-batch runs, :func:`_apply_with_real_values` hands every ``apply`` of this stage's own code the real values of
+its tainted arguments (received crossing values, which require grad). Its output then hangs off them in autograd, so
+the gradient a Function returns (a gradient reversal's ``-alpha * g``) reaches the stage that made the value, and the
+tensors it saves for backward are real ones, as in one process.
+
 A later step whose forward uses a tainted value the plan does not carry, or whose operation at a planned position is
 not the one of the first step, is refused with the reason: its forward differs between steps in a way that moves
 values across cuts.
@@ -34,7 +47,8 @@ values across cuts.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +85,16 @@ _FIRST_ONLY = frozenset({"torch.Tensor.to", "torch.Tensor.type_as", "torch.Tenso
 #: operations that turn a tensor into a Python value, which cannot be followed or sent
 _TO_PYTHON = frozenset(f"torch.Tensor.{n}" for n in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__",
                                                       "__complex__", "numpy"))
+#: operations that draw from a random generator (by the last part of their name); dropout-like ones only when they
+#: are in training mode with a positive probability (see :func:`draws`)
+_RANDOM = frozenset({
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
+    "normal", "poisson", "binomial", "_standard_gamma", "_sample_dirichlet", "_sample_binomial", "gumbel_softmax",
+    "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_",
+    "native_dropout", "_fused_dropout",
+})
+_DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                      "feature_dropout", "rrelu", "rrelu_", "dropout_", "alpha_dropout_", "feature_alpha_dropout_"})
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
                               "__imatmul__"})
@@ -96,6 +120,28 @@ def _op_code(name: str) -> int:
 def _is_inplace(name: str) -> bool:
     last = name.rpartition(".")[2]
     return last in _INPLACE_DUNDERS or (last.endswith("_") and not last.startswith("__"))
+
+
+def draws(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the operation ``name`` draws random numbers with these arguments (dropout only while training with
+    ``p > 0``; ``rrelu`` only while training)."""
+    last = name.rpartition(".")[2]
+    if last in _RANDOM:
+        return True
+    if last not in _DROPOUT:
+        return False
+    if last.startswith("rrelu"):
+        training = kwargs.get("training", args[3] if len(args) > 3 else False)
+        return bool(training)
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    return bool(training) and float(p) > 0
+
+
+def is_random(name: str) -> bool:
+    """Whether ``name`` (an operation's name as :func:`op_name` gives it) is one that draws random numbers."""
+    last = name.rpartition(".")[2]
+    return last in _RANDOM or last in _DROPOUT
 
 
 @dataclass(frozen=True)
@@ -199,6 +245,7 @@ class Crossings:
         self.made: dict[tuple[int, int], Tensor] = {}  # values this stage makes for later stages
         self.needs: dict[tuple[int, int], Need] = {}  # found while discovering
         self.names: dict[int, str] = {}  # event -> operation, for tainted events (messages)
+        self.random_of: dict[int, str] = {}  # event -> the random draw a tainted value derives from (messages)
         #: while discovering: Python values made from tainted tensors before the entry, [operation, maker, user]
         self.conversions: list[list[str | None]] = []
         self._make = self.plan.made_on(self.stage) if self.plan is not None else {}
@@ -212,10 +259,13 @@ class Crossings:
         self.inside = self.stage == 0
         self.active = True
         self._mode.__enter__()
+        self._apply = _apply_with_real_values(self)
+        self._apply.__enter__()
 
     def end(self) -> None:
         if self.active:
             self.active = False
+            self._apply.__exit__(None, None, None)
             self._mode.__exit__(None, None, None)
             self.real, self.made = {}, {}
 
@@ -341,11 +391,21 @@ class Crossings:
             if leaf < len(flat) and isinstance(flat[leaf], Tensor):
                 self.made[(event, leaf)] = flat[leaf]
 
+    def _follow_random(self, event: int, drawn: str | None, args: tuple, kwargs: dict) -> None:
+        """Remember which random draw a tainted value comes from (``drawn``: this operation draws), so that a
+        refusal can name the draw rather than the comparison made of it."""
+        if drawn is None:
+            drawn = next((self.random_of[tag[1]] for t in _tensors((*args, *kwargs.values()))
+                          if (tag := self.origin_of(t)) is not None and tag[1] in self.random_of), None)
+        if drawn is not None:
+            self.random_of[event] = drawn
+
     def _convert(self, name: str, args: tuple) -> None:
         if self.discovering and args and isinstance(args[0], Tensor):
             tag = self.origin_of(args[0])
             if tag is not None:
-                self.conversions.append([name, self.names.get(tag[1], "an operation"), None])
+                maker = self.random_of.get(tag[1]) or self.names.get(tag[1], "an operation")
+                self.conversions.append([name, maker, None])
 
     def _used_by(self, module: str) -> None:
         for c in self.conversions:
@@ -356,6 +416,15 @@ class Crossings:
         """After discovering: refuse a Python value made from an earlier stage's tensor (this stage cannot know it)."""
         if self.conversions:
             op, maker, user = self.conversions[0]
+            if maker is not None and is_random(maker):
+                raise CrossingError(
+                    f"stage {self.stage}: the step draws `{maker}` before the cut at {entry!r} and turns the draw "
+                    f"into a Python value with `{op}` (a random decision in the parent's code, such as stochastic depth "
+                    "in the loop over blocks). Each stage draws from its own generator, so the stages would decide "
+                    "differently and run different code; a decision cannot be sent. Draw it inside the module it "
+                    "decides about (a DropPath/StochasticDepth module inside each block runs on the stage that owns "
+                    f"the block; the next module called here is {user!r}), or keep it a tensor (multiply by the "
+                    "0/1 draw instead of `if`): tensors drawn in the step are sent from where they are drawn.")
             raise CrossingError(
                 f"stage {self.stage}: `{op}` turns the tensor made by `{maker}`, which an earlier stage computes, into a "
                 f"Python value before the cut at {entry!r}; that value cannot be sent, so code after the cut that uses "
@@ -433,10 +502,13 @@ class _Mode(TorchFunctionMode):
                 else:
                     args, kwargs = c.real_values((args, kwargs), f"`{name}`")
             out = func(*args, **kwargs)
-            if not c.free_depth and name not in _METADATA:
-                c._keep(c._next_event(name), out, name)
+            if not c.free_depth and name not in _METADATA and name not in _TO_PYTHON:  # counted as below
+                value = args[0] if out is None and _is_inplace(name) and args and isinstance(args[0], Tensor) else out
+                c._keep(c._next_event(name), value, name)
             return out
-        tainted = c._tainted(args, kwargs, name)
+        # a random draw depends on where this stage's generator is, not on the batch: the stage whose part of the
+        # code draws it makes it for real (see the module docstring)
+        tainted = c._tainted(args, kwargs, name) or draws(name, args, kwargs)
         out = func(*args, **kwargs)
         if name in _METADATA:
             return out
@@ -446,10 +518,32 @@ class _Mode(TorchFunctionMode):
             return out
         event = c._next_event(name) if not c.free_depth else -1
         if tainted:
+            c._follow_random(event, name if draws(name, args, kwargs) else None, args, kwargs)
             c._tag(out, event)
             if _is_inplace(name) and args and isinstance(args[0], Tensor):
                 setattr(args[0], _ATTR, (c._serial, event, 0, c.region))
         return out
+
+
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
+@contextmanager
+def _apply_with_real_values(c: Crossings) -> Iterator[None]:
+    """While a micro-batch runs: ``Function.apply`` from this stage's own code (after its entry, outside its modules,
+    whose arguments are real already) gets the real values of tainted arguments (see the module docstring)."""
+    original = _FUNCTION_APPLY.__func__
+
+    def apply(cls, *args, **kwargs):
+        if c.active and c.inside and not c.unit_depth:
+            args, kwargs = c.real_values((args, kwargs), f"`{cls.__name__}.apply`")
+        return original(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = _FUNCTION_APPLY  # type: ignore[method-assign]
 
 
 def gather_needs(needs: list[Need], exchange: Callable[[Tensor], list[Tensor]]) -> list[Need]:
@@ -462,4 +556,4 @@ def gather_needs(needs: list[Need], exchange: Callable[[Tensor], list[Tensor]]) 
     return out
 
 
-__all__ = ["CrossingError", "Crossings", "Need", "Plan", "gather_needs", "op_name"]
+__all__ = ["CrossingError", "Crossings", "Need", "Plan", "draws", "gather_needs", "is_random", "op_name"]
