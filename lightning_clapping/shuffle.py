@@ -6,6 +6,10 @@ so from the second epoch on each stage would read other batches. :class:`SharedS
 ``process_dataloader`` hook of the strategy, gives such a loader (or the one a lazy loader wraps) a generator of its
 own, seeded alike on every rank: from rank 0's ``torch.initial_seed()`` (Lightning's seed after ``seed_everything``),
 agreed once, and the loader's number in the run, so a reloaded loader does not repeat the previous one's orders.
+
+With ``freeze_rng=False`` the loader is left as it is: there every stage ends each step with the last stage's
+generator state (:mod:`lightning_clapping.pipeline.streams`), which is the one a single process has at that point, so
+the loader draws each epoch's order (and its workers' seed) from the global RNG exactly as one process does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class SharedShuffle:
     def process_dataloader(self, dataloader: object) -> object:
         """Give ``dataloader`` (or the loader a lazy loader wraps) a generator seeded alike on every rank, when it has
         none: its sampler and its workers' seeds then draw from it."""
+        if not self.options.freeze_rng:  # type: ignore[attr-defined]  # the stages' streams agree (see above)
+            return dataloader
         if self._shuffle_seed is None:  # every rank comes here at the same points: agree on rank 0's seed once
             seed = torch.tensor(torch.initial_seed() & _SEED_MASK, device=self.root_device)  # type: ignore
             if dist.is_initialized() and dist.get_world_size() > 1:

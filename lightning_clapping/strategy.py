@@ -374,7 +374,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         prepost = self.options.prepost_receives
         self.executor = PipelineExecutor(self.runner, placement, self.make_rule,
                                          schedule=self.schedule, timeout=self.options.timeout, step_results=True,
-                                         prepost=self._process_group_backend == "gloo" if prepost is None else prepost)
+                                         prepost=self._process_group_backend == "gloo" if prepost is None else prepost,
+                                         rng_handoff=not self.options.freeze_rng)
         self._byte_stats = ByteStats(placement, self.options.lazy_messages is not None)
         self._steps = StepDriver(module, self.options, placement, self.partition, self.runner, self.executor,
                                  self.precision_plugin, self._byte_stats, self._tuning)

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_clapping.pipeline.executor import _frozen_rng
+from lightning_clapping.pipeline.streams import frozen_rng as _frozen_rng
 
 CPU = torch.device("cpu")
 

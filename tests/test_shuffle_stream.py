@@ -20,6 +20,11 @@ class Stage(SharedShuffle):
     """What the strategy gives the mixin, in one process (no process group: nothing to agree with)."""
 
     root_device = torch.device("cpu")
+    options = SimpleNamespace(freeze_rng=True)
+
+
+class UnfrozenStage(Stage):
+    options = SimpleNamespace(freeze_rng=False)
 
 
 def shuffled(n: int = 24) -> DataLoader:
@@ -58,6 +63,17 @@ def test_stages_shuffle_alike_however_much_of_the_global_rng_each_uses():
     seen = [epochs(loader, 3, draws) for loader, draws in zip(stages, (0, 7))]
     assert seen[0] == seen[1]
     assert seen[0][:6] != seen[0][6:12]  # each epoch has its own order
+
+
+def test_with_freeze_rng_off_the_loader_draws_from_the_global_rng_as_in_one_process():
+    """There every stage ends each step with the last stage's generator state (pipeline/streams.py), so the loader
+    keeps one process's draws: its order and its workers' seed come from the global RNG."""
+    loader = shuffled()
+    assert UnfrozenStage().process_dataloader(loader) is loader and loader.generator is None
+    torch.manual_seed(3)
+    alone = epochs(shuffled(), 2, 0)
+    torch.manual_seed(3)
+    assert epochs(loader, 2, 0) == alone
 
 
 def test_a_lazy_loader_draws_from_the_shared_stream_and_resumes_it_exactly():

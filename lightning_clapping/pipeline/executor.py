@@ -21,6 +21,8 @@ from lightning_clapping.comm.placement import Placement
 from lightning_clapping.pipeline import schedule as schedules
 from lightning_clapping.pipeline.crossings import Plan, gather_needs
 from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
+from lightning_clapping.pipeline import streams
+from lightning_clapping.pipeline.streams import Handoff, frozen_rng
 
 PURPOSE_TRAIN_FWD = 1
 PURPOSE_TRAIN_BWD = 2
@@ -64,6 +66,10 @@ class PipelineExecutor:
     :meth:`train_step`) to its last gradient message of the step; every other stage forwards them with its own last
     gradient message and finds them in :attr:`results` after the step. Every stage thus learns the loss and the
     logged values without a collective: they ride on messages the pipeline sends anyway.
+
+    With ``rng_handoff=True`` (``freeze_rng=False``) each forward message carries the sending stage's random
+    generator state at its exit, which the next stage takes at its entry, and the last stage's state after the step
+    rides with the results (:mod:`lightning_clapping.pipeline.streams`): see :attr:`rng_after_step`.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class PipelineExecutor:
         prepost: bool = True,
         timeout: timedelta | None = None,
         step_results: bool = False,
+        rng_handoff: bool = False,
     ) -> None:
         if (runner.stage, runner.num_stages) != (placement.stage, placement.num_stages):
             raise ValueError(f"the runner holds stage {runner.stage} of {runner.num_stages}, but the placement puts "
@@ -86,6 +93,8 @@ class PipelineExecutor:
         #: (shape, dtype, compressible) of each tensor of the last message sent, by rule name ("fwd_out", "bwd_out")
         self.sent_specs: dict[str, list[tuple]] = {}
         self.results: bytes | None = None
+        #: with ``rng_handoff``: the last stage's generator state after the step, on every stage (bytes)
+        self.rng_after_step: bytes | None = None
         self._compute_s = 0.0
         self.stage = placement.stage
         self.num_stages = placement.num_stages
@@ -94,6 +103,8 @@ class PipelineExecutor:
         group = placement.pp_group
         self.first_step = True
         self.prepost = prepost
+        self.handoff = Handoff(device, f"stage {placement.stage}") if rng_handoff and placement.num_stages > 1 \
+            else None
         if prepost and not _matches_by_tag(group, device):
             raise ValueError(
                 "prepost_receives=True posts a step's receives ahead and needs a backend that matches messages by "
@@ -222,13 +233,16 @@ class PipelineExecutor:
                     saved[j] = ([loss * loss_weights[j]], received)
                 else:
                     self._check_output(out, "fwd_out", j)
-                    self._send(self.fwd_out, "fwd_out", j, out, ctx, stats)
+                    self._send(self.fwd_out, "fwd_out", j, out, ctx, stats, self._rng_leaving(j))
                     saved[j] = ([t for t in out if t.requires_grad], received)
             else:
                 roots, received = saved.pop(j)
                 grads = None
                 if not self.is_last:
-                    grads = [t for t, _ in self._recv(self.bwd_in, "bwd_in", j, ctx, carry and j == final)]
+                    message, blob = self._recv(self.bwd_in, "bwd_in", j, ctx, carry and j == final)
+                    grads = [t for t, _ in message]
+                    if blob is not None:
+                        self.results = blob
                     if len(grads) != len(roots):
                         raise SplitError(
                             f"stage {self.stage} got {len(grads)} gradients for micro-batch {j} but sent "
@@ -245,10 +259,11 @@ class PipelineExecutor:
                     if carry and j == final:
                         if self.is_last:
                             self.results = results([outputs[i] for i in sorted(outputs)])
-                        attached = self.results
+                        attached = self._with_rng(self.results) if self.is_last else self.results
                     self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats, attached)
         self._finish()
         self.first_step = False
+        self._take_last_stage_rng()
         stats.compute_s = self._compute_s
         self._collect(stats)
         return [outputs[j] for j in sorted(outputs)], stats
@@ -273,8 +288,9 @@ class PipelineExecutor:
                 outputs.append(out)
             else:
                 self._check_output(out, "eval_out", j)
-                self._send(self.eval_out, "eval_out", j, out, ctx, stats)
+                self._send(self.eval_out, "eval_out", j, out, ctx, stats, self._rng_leaving(j))
         self._finish()
+        self._share_last_stage_rng()
         return outputs
 
     # ------------------------------------------------------------------ pieces
@@ -283,8 +299,10 @@ class PipelineExecutor:
         def provide() -> list[Tensor]:
             assert chan is not None
             t0 = time.perf_counter()
-            tensors = self._recv(chan, rule_name, j, ctx)
+            tensors, state = self._recv(chan, rule_name, j, ctx, attached=self.handoff is not None)
             waited[0] += time.perf_counter() - t0
+            if self.handoff is not None and state is not None:  # from here on: what one process draws here
+                self.handoff.enter(state, j)
             if received is None:
                 return [t for t, _ in tensors]
             out = []
@@ -300,19 +318,51 @@ class PipelineExecutor:
             return out
 
         waited = [0.0]
-        rng = _frozen_rng(seed, self.device) if seed is not None else nullcontext()
+        rng = frozen_rng(seed, self.device) if seed is not None else nullcontext()
         start = time.perf_counter()
         try:
             with rng, self.runner.microbatch(provide if chan is not None else None, kind):
                 try:
                     out = step_fn(mb, j)
                 except StageExit:
+                    if self.handoff is not None:
+                        self.handoff.leave(j)
                     return self.runner.captured_tensors()
             if not self.is_last:
                 self.runner.captured_tensors()  # raises: the exit module was never called
             return out
         finally:
             self._compute_s += time.perf_counter() - start - waited[0]
+
+    def _rng_leaving(self, j: int) -> bytes | None:
+        """With ``rng_handoff``: this stage's generator state at its exit of micro-batch ``j``, for the message."""
+        return self.handoff.outgoing(j) if self.handoff is not None else None
+
+    def _with_rng(self, blob: bytes) -> bytes:
+        """On the last stage: the step's results followed by its generator state (with ``rng_handoff``)."""
+        if self.handoff is None:
+            return blob
+        self.rng_after_step = state = streams.state_bytes(self.device)
+        return blob + state
+
+    def _take_last_stage_rng(self) -> None:
+        """After a training step (with ``rng_handoff``): the last stage's generator state, which came back at the
+        end of the results, becomes this stage's, so every stage starts the next step from the same state."""
+        if self.handoff is None or self.is_last or self.results is None:
+            return
+        size = len(streams.state_bytes(self.device))
+        self.results, self.rng_after_step = self.results[:-size], self.results[-size:]
+        streams.set_state_bytes(self.rng_after_step, self.device, f"stage {self.stage}, end of the step")
+
+    def _share_last_stage_rng(self) -> None:
+        """After an evaluation step (with ``rng_handoff``): the last stage's generator state on every stage, with
+        one broadcast (evaluation sends nothing backward for it to ride on)."""
+        if self.handoff is None:
+            return
+        state = torch.frombuffer(bytearray(streams.state_bytes(self.device)), dtype=torch.uint8).to(self.device)
+        dist.broadcast(state, src=self.placement.last_rank, group=self.placement.pp_group)
+        if not self.is_last:
+            streams.set_state_bytes(state.cpu().numpy().tobytes(), self.device, f"stage {self.stage}, evaluation")
 
     def _crossing_fwd(self) -> int:
         """How many of the tensors this stage sends forward are values crossing the cut besides the next stage's
@@ -379,15 +429,15 @@ class PipelineExecutor:
         setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
 
     def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext,
-              with_results: bool = False) -> list[tuple[Tensor, int]]:
+              attached: bool = False) -> tuple[list[tuple[Tensor, int]], bytes | None]:
+        """The decoded tensors of a message with their flags, and (``attached``) the bytes attached to it."""
         rule = self.rules[rule_name]
         where = _name_message(rule, rule_name, j, chan.peer)
         msg = chan.recv(j, self._mode(rule_name, j, ctx), where)
-        known = (*wire.RULE_FORMS, wire.ATTACHMENT) if with_results else wire.RULE_FORMS
+        known = (*wire.RULE_FORMS, wire.ATTACHMENT) if attached else wire.RULE_FORMS
         parts = wire.unpack(msg, known_codecs=known, where=where)
-        if with_results:
-            self.results = wire.results_of(parts, where)
-        return list(zip(wire.decode_message(rule, j, parts, ctx, where), [p.flags for p in parts]))
+        blob = wire.results_of(parts, where) if attached else None
+        return list(zip(wire.decode_message(rule, j, parts, ctx, where), [p.flags for p in parts])), blob
 
     def _finish(self) -> None:
         """Wait for every operation of the step; refuse a message that was produced but never sent."""
@@ -412,34 +462,6 @@ class PipelineExecutor:
     def feedback_state(self) -> dict[str, dict[str, Tensor]]:
         """The error-feedback buffers on this rank, by rule (for checkpoints and consistency checks)."""
         return {name: r.state() for name, r in self.rules.items() if r is not None}
-
-
-class _frozen_rng:
-    """Seed torch's RNG for one micro-batch's forward and restore the surrounding streams afterwards.
-
-    Both the CPU generator and, on a CUDA device, that device's own generator (where dropout on the GPU draws from)
-    are seeded and restored; the generators of other devices are left alone.
-    """
-
-    def __init__(self, seed: int, device: torch.device) -> None:
-        self.seed = seed
-        self.cuda = device.type == "cuda"
-        self.index = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
-
-    def __enter__(self):
-        self._cpu_state = torch.get_rng_state()
-        torch.random.default_generator.manual_seed(self.seed)
-        if self.cuda:
-            self._cuda_state = torch.cuda.get_rng_state(self.index)
-            with torch.cuda.device(self.index):
-                torch.cuda.manual_seed(self.seed)
-        return self
-
-    def __exit__(self, *exc):
-        torch.set_rng_state(self._cpu_state)
-        if self.cuda:
-            torch.cuda.set_rng_state(self._cuda_state, self.index)
-        return False
 
 
 def _name_message(rule: MessageRule, rule_name: str, j: int, peer: int) -> str:
