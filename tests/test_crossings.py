@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from conftest import launch_forked
-from lightning_clapping.pipeline.crossings import CrossingError, Need, Plan
+from lightning_clapping.pipeline.crossing_plan import CrossingError, Need, Plan
 from lightning_clapping.pipeline.partition import build_partition
 from lightning_clapping.pipeline.stage import StageExit, StageRunner
 

@@ -34,7 +34,7 @@ messages of boundaries ``j .. s - 1`` (relayed by the stages in between), and it
 It is sent with the boundary's own tensors, through the same codec, and counted in the same byte totals.
 
 **Custom autograd Functions.** ``Function.apply`` is no torch function, so the mode does not see it: while a
-micro-batch runs, :func:`_apply_with_real_values` hands every ``apply`` of this stage's own code the real values of
+micro-batch runs, :func:`~lightning_clapping.pipeline.draws.apply_with_real_values` hands every ``apply`` of this stage's own code the real values of
 its tainted arguments (received crossing values, which require grad). Its output then hangs off them in autograd, so
 the gradient a Function returns (a gradient reversal's ``-alpha * g``) reaches the stage that made the value, and the
 tensors it saves for backward are real ones, as in one process.
@@ -46,10 +46,7 @@ values across cuts.
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -57,10 +54,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from lightning_clapping._compat import tree_flatten, tree_unflatten
-
-
-class CrossingError(RuntimeError):
-    """A value crosses a cut in a way the pipeline cannot carry (the message says which and what to change)."""
+from lightning_clapping.pipeline.crossing_plan import CrossingError, Need, Plan, op_code
+from lightning_clapping.pipeline.crossing_plan import where as event_where
+from lightning_clapping.pipeline.draws import apply_with_real_values, draws, is_random
 
 
 _ATTR = "_clapping_origin"  # (micro-batch serial, event, leaf, region) on a tainted tensor
@@ -85,16 +81,6 @@ _FIRST_ONLY = frozenset({"torch.Tensor.to", "torch.Tensor.type_as", "torch.Tenso
 #: operations that turn a tensor into a Python value, which cannot be followed or sent
 _TO_PYTHON = frozenset(f"torch.Tensor.{n}" for n in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__",
                                                       "__complex__", "numpy"))
-#: operations that draw from a random generator (by the last part of their name); dropout-like ones only when they
-#: are in training mode with a positive probability (see :func:`draws`)
-_RANDOM = frozenset({
-    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial",
-    "normal", "poisson", "binomial", "_standard_gamma", "_sample_dirichlet", "_sample_binomial", "gumbel_softmax",
-    "uniform_", "normal_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "random_",
-    "native_dropout", "_fused_dropout",
-})
-_DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-                      "feature_dropout", "rrelu", "rrelu_", "dropout_", "alpha_dropout_", "feature_alpha_dropout_"})
 _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
                               "__imatmul__"})
@@ -108,101 +94,9 @@ def op_name(func: Any) -> str:
     return name
 
 
-def _where(event: int) -> str:
-    module, offset = event >> 24, event & 0xFFFFFF
-    return f"module call {module}" if offset == 0 else f"operation {offset} after module call {module}"
-
-
-def _op_code(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
 def _is_inplace(name: str) -> bool:
     last = name.rpartition(".")[2]
     return last in _INPLACE_DUNDERS or (last.endswith("_") and not last.startswith("__"))
-
-
-def draws(name: str, args: tuple, kwargs: dict) -> bool:
-    """Whether the operation ``name`` draws random numbers with these arguments (dropout only while training with
-    ``p > 0``; ``rrelu`` only while training)."""
-    last = name.rpartition(".")[2]
-    if last in _RANDOM:
-        return True
-    if last not in _DROPOUT:
-        return False
-    if last.startswith("rrelu"):
-        training = kwargs.get("training", args[3] if len(args) > 3 else False)
-        return bool(training)
-    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-    training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
-    return bool(training) and float(p) > 0
-
-
-def is_random(name: str) -> bool:
-    """Whether ``name`` (an operation's name as :func:`op_name` gives it) is one that draws random numbers."""
-    last = name.rpartition(".")[2]
-    return last in _RANDOM or last in _DROPOUT
-
-
-@dataclass(frozen=True)
-class Need:
-    """One value a stage needs: made at ``event`` (its output ``leaf``) in region ``origin`` by operation ``op``."""
-
-    event: int
-    leaf: int
-    origin: int
-    consumer: int
-    op: int
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.event, self.leaf)
-
-
-class Plan:
-    """Which values cross each boundary besides the cut module's inputs (the same on every stage)."""
-
-    def __init__(self, needs: Iterable[Need], num_stages: int) -> None:
-        self.needs = sorted(set(needs), key=lambda n: (n.event, n.leaf, n.consumer))
-        self.num_stages = num_stages
-        ops: dict[tuple[int, int], tuple[int, int]] = {}
-        for n in self.needs:
-            if ops.setdefault(n.key, (n.origin, n.op)) != (n.origin, n.op):
-                raise CrossingError(
-                    f"the stages disagree about the value made at {_where(n.event)} of the step: their forwards run "
-                    "different operations there. Every process must run the same code on the same batch.")
-        self._ops = ops
-        self._crossing: list[list[tuple[int, int]]] = []
-        for b in range(max(0, num_stages - 1)):
-            keys = {n.key for n in self.needs if n.origin <= b < n.consumer}
-            self._crossing.append(sorted(keys))
-
-    def crossing(self, boundary: int) -> list[tuple[int, int]]:
-        """Keys sent over ``boundary`` (stage ``boundary`` to ``boundary + 1``), in message order."""
-        return self._crossing[boundary] if 0 <= boundary < len(self._crossing) else []
-
-    def origin(self, key: tuple[int, int]) -> int:
-        return self._ops[key][0]
-
-    def op(self, key: tuple[int, int]) -> int:
-        return self._ops[key][1]
-
-    def made_on(self, stage: int) -> dict[int, list[int]]:
-        """Events whose outputs this stage makes and sends: event -> leaves."""
-        out: dict[int, list[int]] = {}
-        for key in self.crossing(stage):
-            if self.origin(key) == stage:
-                out.setdefault(key[0], []).append(key[1])
-        return out
-
-    def rows(self) -> list[tuple[int, ...]]:
-        return [(n.event, n.leaf, n.origin, n.consumer, n.op) for n in self.needs]
-
-    def describe(self) -> str:
-        if not self.needs:
-            return "no values cross a cut besides the cut modules' inputs"
-        parts = [f"boundary {b}: {len(keys)}" for b, keys in enumerate(self._crossing) if keys]
-        return f"{len(self._ops)} values cross cuts besides the cut modules' inputs ({', '.join(parts)})"
 
 
 def _tensors(obj: Any) -> Iterable[Tensor]:
@@ -259,7 +153,7 @@ class Crossings:
         self.inside = self.stage == 0
         self.active = True
         self._mode.__enter__()
-        self._apply = _apply_with_real_values(self)
+        self._apply = apply_with_real_values(self)
         self._apply.__enter__()
 
     def end(self) -> None:
@@ -332,11 +226,11 @@ class Crossings:
                 "earlier stage ran, and that module did not return it (it was kept elsewhere, e.g. on `self`). Return "
                 "it from the module, or cut the model elsewhere.")
         if self.discovering:
-            self.needs.setdefault(key, Need(tag[1], tag[2], tag[3], self.stage, _op_code(op)))
+            self.needs.setdefault(key, Need(tag[1], tag[2], tag[3], self.stage, op_code(op)))
             return placeholder
         raise CrossingError(
-            f"stage {self.stage}: {where} uses the value made by `{op}` at {_where(tag[1])} of the step, which an "
-            f"earlier stage computes, but the first step's forward did not use it here. The model's forward changes "
+            f"stage {self.stage}: {where} uses the value made by `{op}` at {event_where(tag[1])} of the step, which "
+            f"an earlier stage computes, but the first step's forward did not use it here. The model's forward changes "
             "between steps in a way that moves values across cuts (e.g. a branch on the step or on the data), which "
             "a pipeline cannot follow: make the forward the same on every step, or cut the model elsewhere.")
 
@@ -370,8 +264,8 @@ class Crossings:
             source = self.made if self.plan.origin(key) == self.stage else self.real
             if key not in source:
                 raise CrossingError(
-                    f"stage {self.stage} should send the value made at {_where(key[0])} of the step (output {key[1]}) "
-                    "to a later stage, but this step's forward did not make it: the forward differs from the first "
+                    f"stage {self.stage} should send the value made at {event_where(key[0])} of the step (output "
+                    f"{key[1]}) to a later stage, but this step's forward did not make it: the forward differs from the first "
                     "step's. Make the forward the same on every step, or cut the model elsewhere.")
             out.append(source[key])
         return out
@@ -381,9 +275,9 @@ class Crossings:
         if not leaves:
             return
         assert self.plan is not None
-        if _op_code(name) != self.plan.op((event, leaves[0])):
+        if op_code(name) != self.plan.op((event, leaves[0])):
             raise CrossingError(
-                f"stage {self.stage}: {_where(event)} of the step runs `{name}`, but on the first step the value a "
+                f"stage {self.stage}: {event_where(event)} of the step runs `{name}`, but on the first step the value a "
                 "later stage needs was made there by another operation: the forward differs between steps. Make the "
                 "forward the same on every step, or cut the model elsewhere.")
         flat = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
@@ -525,35 +419,4 @@ class _Mode(TorchFunctionMode):
         return out
 
 
-_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
-
-
-@contextmanager
-def _apply_with_real_values(c: Crossings) -> Iterator[None]:
-    """While a micro-batch runs: ``Function.apply`` from this stage's own code (after its entry, outside its modules,
-    whose arguments are real already) gets the real values of tainted arguments (see the module docstring)."""
-    original = _FUNCTION_APPLY.__func__
-
-    def apply(cls, *args, **kwargs):
-        if c.active and c.inside and not c.unit_depth:
-            args, kwargs = c.real_values((args, kwargs), f"`{cls.__name__}.apply`")
-        return original(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = _FUNCTION_APPLY  # type: ignore[method-assign]
-
-
-def gather_needs(needs: list[Need], exchange: Callable[[Tensor], list[Tensor]]) -> list[Need]:
-    """Every stage's needs, from rows of integers: ``exchange(rows)`` all-gathers an int64 tensor of shape (n, 5)
-    whose ``n`` may differ between stages and returns each stage's."""
-    rows = torch.tensor([(n.event, n.leaf, n.origin, n.consumer, n.op) for n in needs], dtype=torch.int64)
-    out = []
-    for block in exchange(rows.reshape(-1, 5)):
-        out.extend(Need(*map(int, r)) for r in block.tolist())
-    return out
-
-
-__all__ = ["CrossingError", "Crossings", "Need", "Plan", "draws", "gather_needs", "is_random", "op_name"]
+__all__ = ["CrossingError", "Crossings", "Need", "Plan", "op_name"]

@@ -19,7 +19,7 @@ from lightning_clapping.comm.channel import PeerChannel, exchange
 from lightning_clapping.comm.p2p import P2PQueue
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.pipeline import schedule as schedules
-from lightning_clapping.pipeline.crossings import Plan, gather_needs
+from lightning_clapping.pipeline.crossing_plan import Plan, gather_needs
 from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
 from lightning_clapping.pipeline import streams
 from lightning_clapping.pipeline.streams import Handoff, frozen_rng

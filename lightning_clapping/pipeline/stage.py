@@ -34,7 +34,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_clapping.comm import safe_objects
 from lightning_clapping.pipeline import recompute as checkpointing
 from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
-from lightning_clapping.pipeline.crossings import Crossings, CrossingError, Need
+from lightning_clapping.pipeline.crossing_plan import CrossingError, Need
+from lightning_clapping.pipeline.crossings import Crossings
 from lightning_clapping.pipeline.partition import Partition, PartitionError
 
 
