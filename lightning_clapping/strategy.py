@@ -372,8 +372,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         stage_setup.isolate_metrics(module, placement.dp_group, patches)
         prepost = self.options.prepost_receives
-        self.executor = PipelineExecutor(self.runner, placement, self.make_rule,
-                                         schedule=self.schedule, timeout=self.options.timeout, step_results=True,
+        self.executor = PipelineExecutor(self.runner, placement, self.make_rule, schedule=self.schedule,
+                                         timeout=self.options.timeout, step_results=True,
                                          prepost=self._process_group_backend == "gloo" if prepost is None else prepost,
                                          rng_handoff=not self.options.freeze_rng)
         self._byte_stats = ByteStats(placement, self.options.lazy_messages is not None)
@@ -390,17 +390,6 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         """The encoder/decoder of one boundary and direction (both ends build the same one)."""
         return self._tuning.make_rule(boundary, direction, training)
 
-    def _warn_empty_stages(self) -> None:
-        assert self.partition is not None
-        stage_setup.warn_empty_stages(self.partition, self.num_stages)
-
-    def _check_codec_boundaries(self) -> None:
-        self.options.check_codec_boundaries(self.num_stages)
-
-    def _shard_lazy_data(self, trainer: pl.Trainer) -> None:
-        stage_setup.shard_lazy_data(trainer.datamodule, self.num_replicas, self.replica, self._patches)
-
-    @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 

@@ -121,16 +121,17 @@ def test_split_points_that_leave_a_stage_without_parameters_are_warned_about():
 
     import lightning_clapping
     from lightning_clapping.pipeline.partition import build_partition
+    from lightning_clapping.stage_setup import warn_empty_stages
 
     strategy = lightning_clapping.ClappingStrategy(split_points=["net.1", "net.2"])
     strategy.parallel_devices = [torch.device("cpu")] * 3
     strategy.partition = build_partition(SequentialMLP(), 3, ["net.1", "net.2"])  # stage 1 is net.1, a Tanh
     with pytest.warns(UserWarning, match=r"stage\(s\) 1 \(from 'net.1'\) hold no parameters"):
-        strategy._warn_empty_stages()
+        warn_empty_stages(strategy.partition, strategy.num_stages)
     strategy.partition = build_partition(SequentialMLP(), 3, ["net.2", "net.4"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        strategy._warn_empty_stages()
+        warn_empty_stages(strategy.partition, strategy.num_stages)
 
 
 def test_feedback_buffers_from_other_cut_points_restart_empty_with_a_warning():
@@ -163,6 +164,6 @@ def test_a_codec_map_naming_a_boundary_the_model_lacks_is_refused_at_setup():
     strategy = lightning_clapping.ClappingStrategy(variant="clapping-fc", forward_codec={0: "q4", 5: "q4"})
     strategy.parallel_devices = [torch.device("cpu")] * 3
     with pytest.raises(ValueError, match=r"forward_codec names boundaries \[5\], but 3 stages have boundaries 0 .. 1"):
-        strategy._check_codec_boundaries()
+        strategy.options.check_codec_boundaries(strategy.num_stages)
     strategy.forward_codec = {1: strategy.forward_codec[0]}
-    strategy._check_codec_boundaries()
+    strategy.options.check_codec_boundaries(strategy.num_stages)

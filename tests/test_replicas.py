@@ -12,6 +12,7 @@ import torch
 from lightning_clapping import ClappingStrategy, LazySamplingDataModule
 from lightning_clapping.comm.placement import Topology
 from lightning_clapping.comm.replicas import GradientAverager, _buckets
+from lightning_clapping.stage_setup import Patches, shard_lazy_data
 from conftest import launch_forked, run_gloo_ranks
 
 DP_CONFIGS = "plain,clip_acc,fc_full,fc_first,fc_rest,sh_first,sh_rest"
@@ -120,9 +121,9 @@ def test_a_lazy_data_module_sharded_otherwise_than_the_strategy_is_refused():
     strategy.parallel_devices = [torch.device("cpu")] * 4
     dm = LazySamplingDataModule([[0]], p=0.5, num_replicas=3, replica_rank=0)
     with pytest.raises(ValueError, match=r"num_replicas=3\) but ClappingStrategy runs 2 data-parallel replicas"):
-        strategy._shard_lazy_data(SimpleNamespace(datamodule=dm))
+        shard_lazy_data(dm, strategy.num_replicas, strategy.replica, Patches())
     dm = LazySamplingDataModule([[0]], p=0.5)
-    strategy._shard_lazy_data(SimpleNamespace(datamodule=dm))
+    shard_lazy_data(dm, strategy.num_replicas, strategy.replica, Patches())
     assert (dm.num_replicas, dm.replica_rank) == (2, 0)
 
 
