@@ -60,6 +60,8 @@ from lightning_clapping.pipeline.draws import apply_with_real_values, draws, is_
 
 
 _ATTR = "_clapping_origin"  # (micro-batch serial, event, leaf, region) on a tainted tensor
+_RECOMPUTED = "_clapping_recomputed"  # the same, while discovering, on an untainted value made before the entry
+_DRAWN = "_clapping_drawn"  # (micro-batch serial, the random operation) while discovering: derived from a random draw
 
 #: operations that read only a tensor's metadata: not a use of its values, and their result is not tainted
 _METADATA = frozenset(f"torch.Tensor.{n}" for n in (
@@ -97,6 +99,15 @@ def op_name(func: Any) -> str:
 def _is_inplace(name: str) -> bool:
     last = name.rpartition(".")[2]
     return last in _INPLACE_DUNDERS or (last.endswith("_") and not last.startswith("__"))
+
+
+def _written(name: str, args: tuple, out: Any) -> Any:
+    """What an operation made, as the plan names its outputs: an in-place write made the tensor it wrote (output 0;
+    ``x[i] = v`` returns None) and, through a view, the view's base (output 1)."""
+    if not (_is_inplace(name) and args and isinstance(args[0], Tensor)):
+        return out
+    target = args[0]
+    return (target, target._base) if target._base is not None else target
 
 
 def _tensors(obj: Any) -> Iterable[Tensor]:
@@ -139,9 +150,15 @@ class Crossings:
         self.made: dict[tuple[int, int], Tensor] = {}  # values this stage makes for later stages
         self.needs: dict[tuple[int, int], Need] = {}  # found while discovering
         self.names: dict[int, str] = {}  # event -> operation, for tainted events (messages)
-        self.random_of: dict[int, str] = {}  # event -> the random draw a tainted value derives from (messages)
+        #: while discovering: Python values made from random draws, [(operation, draw)] (a random decision)
+        self.decisions: list[tuple[str, str]] = []
         #: while discovering: Python values made from tainted tensors before the entry, [operation, maker, user]
         self.conversions: list[list[str | None]] = []
+        #: while discovering, for the guard (:mod:`~lightning_clapping.pipeline.agreement`): the values made before
+        #: the entry without taint that this stage's code uses, (event, leaf) -> (region, value); and event -> output
+        #: of every operation this stage runs inside its part
+        self.recomputed: dict[tuple[int, int], tuple[int, Tensor]] = {}
+        self.own: dict[int, Any] = {}
         self._make = self.plan.made_on(self.stage) if self.plan is not None else {}
 
     # ------------------------------------------------------------------ per micro-batch
@@ -178,6 +195,14 @@ class Crossings:
             if isinstance(x, Tensor) and (not tainted_only or self.origin_of(x) is not None):
                 setattr(x, _ATTR, (self._serial, event, i, self.region))
 
+    def _mark_recomputed(self, out: Any, event: int) -> None:
+        """While discovering: name the untainted tensors of ``out`` as recomputed here from the batch (the guard
+        compares the ones this stage's own code uses with the stage that makes them)."""
+        leaves = [out] if isinstance(out, Tensor) else tree_flatten(out)[0]
+        for i, x in enumerate(leaves):
+            if isinstance(x, Tensor) and self.origin_of(x) is None:
+                setattr(x, _RECOMPUTED, (self._serial, event, i, self.region))
+
     def _tainted(self, args: tuple, kwargs: dict, name: str) -> bool:
         if name in _METADATA or name in _SHAPED_LIKE:
             return False
@@ -212,6 +237,10 @@ class Crossings:
                 tag = self.origin_of(x)
                 if tag is not None:
                     leaves[i], found = self._real(tag, x, where), True
+                elif self.discovering:
+                    made = getattr(x, _RECOMPUTED, None)
+                    if made is not None and made[0] == self._serial:
+                        self.recomputed[(made[1], made[2])] = (made[3], x)
         return tree_unflatten(leaves, spec) if found else obj
 
     def _real(self, tag: tuple[int, int, int, int], placeholder: Tensor, where: str) -> Tensor:
@@ -285,20 +314,29 @@ class Crossings:
             if leaf < len(flat) and isinstance(flat[leaf], Tensor):
                 self.made[(event, leaf)] = flat[leaf]
 
-    def _follow_random(self, event: int, drawn: str | None, args: tuple, kwargs: dict) -> None:
-        """Remember which random draw a tainted value comes from (``drawn``: this operation draws), so that a
-        refusal can name the draw rather than the comparison made of it."""
-        if drawn is None:
-            drawn = next((self.random_of[tag[1]] for t in _tensors((*args, *kwargs.values()))
-                          if (tag := self.origin_of(t)) is not None and tag[1] in self.random_of), None)
-        if drawn is not None:
-            self.random_of[event] = drawn
+    def drawn_from(self, name: str, args: tuple, kwargs: dict) -> str | None:
+        """While discovering: the random draw an operation's result derives from (``name`` itself if it draws),
+        so that a refusal can name the draw rather than a comparison made of it."""
+        if draws(name, args, kwargs):
+            return name
+        for t in _tensors((*args, *kwargs.values())):
+            tag = getattr(t, _DRAWN, None)
+            if tag is not None and tag[0] == self._serial:
+                return tag[1]
+        return None
+
+    def mark_drawn(self, out: Any, drawn: str) -> None:
+        for x in ([out] if isinstance(out, Tensor) else tree_flatten(out)[0]):
+            if isinstance(x, Tensor):
+                setattr(x, _DRAWN, (self._serial, drawn))
 
     def _convert(self, name: str, args: tuple) -> None:
         if self.discovering and args and isinstance(args[0], Tensor):
             tag = self.origin_of(args[0])
             if tag is not None:
-                maker = self.random_of.get(tag[1]) or self.names.get(tag[1], "an operation")
+                drawn = getattr(args[0], _DRAWN, None)
+                maker = drawn[1] if drawn is not None and drawn[0] == self._serial else \
+                    self.names.get(tag[1], "an operation")
                 self.conversions.append([name, maker, None])
 
     def _used_by(self, module: str) -> None:
@@ -311,19 +349,25 @@ class Crossings:
         if self.conversions:
             op, maker, user = self.conversions[0]
             if maker is not None and is_random(maker):
-                raise CrossingError(
-                    f"stage {self.stage}: the step draws `{maker}` before the cut at {entry!r} and turns the draw "
-                    f"into a Python value with `{op}` (a random decision in the parent's code, such as stochastic depth "
-                    "in the loop over blocks). Each stage draws from its own generator, so the stages would decide "
-                    "differently and run different code; a decision cannot be sent. Draw it inside the module it "
-                    "decides about (a DropPath/StochasticDepth module inside each block runs on the stage that owns "
-                    f"the block; the next module called here is {user!r}), or keep it a tensor (multiply by the "
-                    "0/1 draw instead of `if`): tensors drawn in the step are sent from where they are drawn.")
+                raise self.random_decision(op, maker, entry, user)
             raise CrossingError(
                 f"stage {self.stage}: `{op}` turns the tensor made by `{maker}`, which an earlier stage computes, into a "
                 f"Python value before the cut at {entry!r}; that value cannot be sent, so code after the cut that uses "
                 f"it (the next module called is {user!r}) would compute with a wrong one. Keep the value a tensor (it "
                 "is then sent to the stages that use it), or cut the model after the code that uses it.")
+
+    def random_decision(self, op: str, maker: str, entry: str | None, user: str | None) -> CrossingError:
+        """The refusal of a random decision in the parent's code (``op`` turned the draw ``maker`` into a Python
+        value before the cut at ``entry``; ``user``: the next module called)."""
+        return CrossingError(
+            f"stage {self.stage}: the step draws `{maker}` and turns the draw into a Python value with `{op}` before "
+            f"the cut at {entry!r} (a random decision in the parent's code, such as stochastic depth in the loop over "
+            "blocks). Every stage runs that code, each with its own generator, so the stages would decide "
+            "differently and run different code (a decision is no tensor and cannot be sent). Draw it inside the "
+            "module it decides about (a DropPath/StochasticDepth module inside each block runs on the stage that "
+            f"owns the block{'' if user is None else f'; the next module called here is {user!r}'}), or keep it a "
+            "tensor (multiply by the 0/1 draw instead of `if`): tensors drawn in the step are sent from where they "
+            "are drawn.")
 
     # ------------------------------------------------------------------ module calls (from the stage wrapper)
     def call_unit(self, name: str, run: Callable[[], Any], skipped: bool) -> Any:
@@ -370,8 +414,12 @@ class Crossings:
             self.free_depth -= 1
         if self.inside:
             self._keep(event, out, name)
+            if self.discovering:
+                self.own[event] = out
         else:
             self._tag(out, event, tainted_only=True)
+            if self.discovering:
+                self._mark_recomputed(out, event)
         return out
 
 
@@ -388,6 +436,16 @@ class _Mode(TorchFunctionMode):
         if c.unit_depth:
             return func(*args, **kwargs)
         name = op_name(func)
+        drawn = c.drawn_from(name, args, kwargs) if c.discovering else None
+        if drawn is not None and name in _TO_PYTHON:
+            c.decisions.append((name, drawn))
+        out = self._follow(c, func, name, args, kwargs)
+        if drawn is not None:
+            c.mark_drawn(out, drawn)
+        return out
+
+    @staticmethod
+    def _follow(c: Crossings, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         if c.inside:
             if name not in _METADATA and name not in _SHAPED_LIKE:
                 if name in _FIRST_ONLY:
@@ -397,8 +455,11 @@ class _Mode(TorchFunctionMode):
                     args, kwargs = c.real_values((args, kwargs), f"`{name}`")
             out = func(*args, **kwargs)
             if not c.free_depth and name not in _METADATA and name not in _TO_PYTHON:  # counted as below
-                value = args[0] if out is None and _is_inplace(name) and args and isinstance(args[0], Tensor) else out
-                c._keep(c._next_event(name), value, name)
+                value = _written(name, args, out)
+                event = c._next_event(name)
+                c._keep(event, value, name)
+                if c.discovering:
+                    c.own[event] = value
             return out
         # a random draw depends on where this stage's generator is, not on the batch: the stage whose part of the
         # code draws it makes it for real (see the module docstring)
@@ -412,10 +473,13 @@ class _Mode(TorchFunctionMode):
             return out
         event = c._next_event(name) if not c.free_depth else -1
         if tainted:
-            c._follow_random(event, name if draws(name, args, kwargs) else None, args, kwargs)
             c._tag(out, event)
             if _is_inplace(name) and args and isinstance(args[0], Tensor):
                 setattr(args[0], _ATTR, (c._serial, event, 0, c.region))
+                if args[0]._base is not None:  # a write through a view changes its base too (output 1)
+                    setattr(args[0]._base, _ATTR, (c._serial, event, 1, c.region))
+        elif c.discovering and event >= 0:
+            c._mark_recomputed(out, event)
         return out
 
 

@@ -18,10 +18,9 @@ from lightning_clapping.comm import wire
 from lightning_clapping.comm.channel import PeerChannel, exchange
 from lightning_clapping.comm.p2p import P2PQueue
 from lightning_clapping.comm.placement import Placement
-from lightning_clapping.pipeline import schedule as schedules
+from lightning_clapping.pipeline import agreement, schedule as schedules
 from lightning_clapping.pipeline.crossing_plan import Plan, gather_needs
 from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
-from lightning_clapping.pipeline import streams
 from lightning_clapping.pipeline.streams import Handoff, frozen_rng
 
 PURPOSE_TRAIN_FWD = 1
@@ -69,7 +68,7 @@ class PipelineExecutor:
 
     With ``rng_handoff=True`` (``freeze_rng=False``) each forward message carries the sending stage's random
     generator state at its exit, which the next stage takes at its entry, and the last stage's state after the step
-    rides with the results (:mod:`lightning_clapping.pipeline.streams`): see :attr:`rng_after_step`.
+    rides with the results (:class:`~lightning_clapping.pipeline.streams.Handoff`).
     """
 
     def __init__(
@@ -93,8 +92,6 @@ class PipelineExecutor:
         #: (shape, dtype, compressible) of each tensor of the last message sent, by rule name ("fwd_out", "bwd_out")
         self.sent_specs: dict[str, list[tuple]] = {}
         self.results: bytes | None = None
-        #: with ``rng_handoff``: the last stage's generator state after the step, on every stage (bytes)
-        self.rng_after_step: bytes | None = None
         self._compute_s = 0.0
         self.stage = placement.stage
         self.num_stages = placement.num_stages
@@ -103,8 +100,7 @@ class PipelineExecutor:
         group = placement.pp_group
         self.first_step = True
         self.prepost = prepost
-        self.handoff = Handoff(device, f"stage {placement.stage}") if rng_handoff and placement.num_stages > 1 \
-            else None
+        self.handoff = Handoff(device, placement.stage, rng_handoff and placement.num_stages > 1)
         if prepost and not _matches_by_tag(group, device):
             raise ValueError(
                 "prepost_receives=True posts a step's receives ahead and needs a backend that matches messages by "
@@ -162,11 +158,15 @@ class PipelineExecutor:
 
     def plan_crossings(self, kind: str, microbatch: Any, step_fn: Callable[[Any, int], Any]) -> Plan:
         """Collective over the pipeline, once per kind before its first step: every stage runs ``microbatch``
-        without sending (``step_fn(microbatch, 0)``), then the stages exchange what they need as integer tensors."""
+        without sending (``step_fn(microbatch, 0)``), then the stages exchange what they need as integer tensors,
+        and check that the values they recompute agree (:mod:`~lightning_clapping.pipeline.agreement`)."""
         needs = self.runner.discover(kind, lambda: step_fn(microbatch, 0))
         plan = Plan(gather_needs(needs, self._all_gather_rows), self.num_stages)
-        assert self.runner.crossings is not None
-        self.runner.crossings.plans[kind] = plan
+        crossings = self.runner.crossings
+        assert crossings is not None
+        agreement.check(crossings.recomputed, crossings.own, crossings.names, self.stage, self._all_gather_rows)
+        crossings.recomputed, crossings.own = {}, {}
+        crossings.plans[kind] = plan
         return plan
 
     def _all_gather_rows(self, rows: Tensor) -> list[Tensor]:
@@ -233,7 +233,7 @@ class PipelineExecutor:
                     saved[j] = ([loss * loss_weights[j]], received)
                 else:
                     self._check_output(out, "fwd_out", j)
-                    self._send(self.fwd_out, "fwd_out", j, out, ctx, stats, self._rng_leaving(j))
+                    self._send(self.fwd_out, "fwd_out", j, out, ctx, stats, self.handoff.outgoing(j))
                     saved[j] = ([t for t in out if t.requires_grad], received)
             else:
                 roots, received = saved.pop(j)
@@ -259,11 +259,12 @@ class PipelineExecutor:
                     if carry and j == final:
                         if self.is_last:
                             self.results = results([outputs[i] for i in sorted(outputs)])
-                        attached = self._with_rng(self.results) if self.is_last else self.results
+                        attached = self.handoff.with_state(self.results) if self.is_last else self.results
                     self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats, attached)
         self._finish()
         self.first_step = False
-        self._take_last_stage_rng()
+        if not self.is_last:
+            self.results = self.handoff.take_last_stage(self.results)
         stats.compute_s = self._compute_s
         self._collect(stats)
         return [outputs[j] for j in sorted(outputs)], stats
@@ -288,9 +289,9 @@ class PipelineExecutor:
                 outputs.append(out)
             else:
                 self._check_output(out, "eval_out", j)
-                self._send(self.eval_out, "eval_out", j, out, ctx, stats, self._rng_leaving(j))
+                self._send(self.eval_out, "eval_out", j, out, ctx, stats, self.handoff.outgoing(j))
         self._finish()
-        self._share_last_stage_rng()
+        self.handoff.share_last_stage(self.placement.last_rank, self.placement.pp_group, self.is_last)
         return outputs
 
     # ------------------------------------------------------------------ pieces
@@ -299,9 +300,9 @@ class PipelineExecutor:
         def provide() -> list[Tensor]:
             assert chan is not None
             t0 = time.perf_counter()
-            tensors, state = self._recv(chan, rule_name, j, ctx, attached=self.handoff is not None)
+            tensors, state = self._recv(chan, rule_name, j, ctx, attached=self.handoff.enabled)
             waited[0] += time.perf_counter() - t0
-            if self.handoff is not None and state is not None:  # from here on: what one process draws here
+            if state is not None:  # from here on this stage draws what one process draws here
                 self.handoff.enter(state, j)
             if received is None:
                 return [t for t, _ in tensors]
@@ -325,44 +326,13 @@ class PipelineExecutor:
                 try:
                     out = step_fn(mb, j)
                 except StageExit:
-                    if self.handoff is not None:
-                        self.handoff.leave(j)
+                    self.handoff.leave(j)
                     return self.runner.captured_tensors()
             if not self.is_last:
                 self.runner.captured_tensors()  # raises: the exit module was never called
             return out
         finally:
             self._compute_s += time.perf_counter() - start - waited[0]
-
-    def _rng_leaving(self, j: int) -> bytes | None:
-        """With ``rng_handoff``: this stage's generator state at its exit of micro-batch ``j``, for the message."""
-        return self.handoff.outgoing(j) if self.handoff is not None else None
-
-    def _with_rng(self, blob: bytes) -> bytes:
-        """On the last stage: the step's results followed by its generator state (with ``rng_handoff``)."""
-        if self.handoff is None:
-            return blob
-        self.rng_after_step = state = streams.state_bytes(self.device)
-        return blob + state
-
-    def _take_last_stage_rng(self) -> None:
-        """After a training step (with ``rng_handoff``): the last stage's generator state, which came back at the
-        end of the results, becomes this stage's, so every stage starts the next step from the same state."""
-        if self.handoff is None or self.is_last or self.results is None:
-            return
-        size = len(streams.state_bytes(self.device))
-        self.results, self.rng_after_step = self.results[:-size], self.results[-size:]
-        streams.set_state_bytes(self.rng_after_step, self.device, f"stage {self.stage}, end of the step")
-
-    def _share_last_stage_rng(self) -> None:
-        """After an evaluation step (with ``rng_handoff``): the last stage's generator state on every stage, with
-        one broadcast (evaluation sends nothing backward for it to ride on)."""
-        if self.handoff is None:
-            return
-        state = torch.frombuffer(bytearray(streams.state_bytes(self.device)), dtype=torch.uint8).to(self.device)
-        dist.broadcast(state, src=self.placement.last_rank, group=self.placement.pp_group)
-        if not self.is_last:
-            streams.set_state_bytes(state.cpu().numpy().tobytes(), self.device, f"stage {self.stage}, evaluation")
 
     def _crossing_fwd(self) -> int:
         """How many of the tensors this stage sends forward are values crossing the cut besides the next stage's

@@ -213,8 +213,9 @@ class StageRunner:
 
         Nothing of the run is kept: its graph is dropped without a backward, and the module's buffers (e.g. running
         statistics fed with placeholders) and torch's random streams are put back afterwards. Stage 0 has nothing
-        before it."""
-        if self.crossings is None or self.stage == 0:
+        before it, but runs too: its values are what the later stages' recomputed ones are checked against
+        (:mod:`~lightning_clapping.pipeline.agreement`)."""
+        if self.crossings is None:
             return []
         buffers = [(b, b.detach().clone()) for b in self.module.buffers() if b.device.type != "meta"]
         cpu_rng = torch.get_rng_state()
@@ -222,12 +223,17 @@ class StageRunner:
             if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         try:
             # with gradients enabled, as in the real step (some forwards take another path under no_grad)
-            with self.microbatch(None, kind, discovering=True):
-                try:
-                    run()
-                except StageExit:
-                    pass
-                needs = list(self.crossings.needs.values())
+            try:
+                with self.microbatch(None, kind, discovering=True):
+                    try:
+                        run()
+                    except StageExit:
+                        pass
+                    needs = list(self.crossings.needs.values())
+            except SplitError as err:  # modules called out of order: a random decision is the likelier cause
+                if self.crossings.decisions:
+                    raise self.crossings.random_decision(*self.crossings.decisions[0], self.entry, None) from err
+                raise
             self.crossings.check_conversions(self.entry)
         finally:
             with torch.no_grad():

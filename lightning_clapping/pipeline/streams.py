@@ -18,7 +18,10 @@ With ``freeze_rng=True`` (the default) each micro-batch's forward runs under a s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 
 def _device_index(device: torch.device) -> int | None:
@@ -78,22 +81,50 @@ def set_state_bytes(blob: bytes, device: torch.device, where: str) -> None:
 
 
 class Handoff:
-    """With ``freeze_rng=False``: what a stage's generator state is at its exit of each micro-batch, for the forward
-    message (:meth:`leave`, :meth:`outgoing`), and the state the next stage takes at its entry (:meth:`enter`)."""
+    """With ``freeze_rng=False`` (``enabled``), on a pipeline of several stages: the generator state a stage has at its
+    exit of each micro-batch, for the forward message (:meth:`leave`, :meth:`outgoing`); the state the next stage
+    takes at its entry (:meth:`enter`); and the last stage's state after a step, which every stage takes
+    (:meth:`with_state` and :meth:`take_last_stage` for a training step, :meth:`share_last_stage` for an evaluation
+    step). Disabled, every method does nothing."""
 
-    def __init__(self, device: torch.device, where: str) -> None:
+    def __init__(self, device: torch.device, stage: int, enabled: bool) -> None:
         self.device = device
-        self.where = where
+        self.stage = stage
+        self.enabled = enabled
         self._left: dict[int, bytes] = {}
 
     def leave(self, j: int) -> None:
-        self._left[j] = state_bytes(self.device)
+        if self.enabled:
+            self._left[j] = state_bytes(self.device)
 
-    def outgoing(self, j: int) -> bytes:
-        return self._left.pop(j)
+    def outgoing(self, j: int) -> bytes | None:
+        return self._left.pop(j) if self.enabled else None
 
     def enter(self, blob: bytes, j: int) -> None:
-        set_state_bytes(blob, self.device, f"{self.where}, micro-batch {j}")
+        set_state_bytes(blob, self.device, f"stage {self.stage}, micro-batch {j}")
+
+    def with_state(self, results: bytes) -> bytes:
+        """On the last stage: the step's results followed by its generator state."""
+        return results + state_bytes(self.device) if self.enabled else results
+
+    def take_last_stage(self, results: bytes | None) -> bytes | None:
+        """On the other stages, after a training step: the last stage's state off the end of the results that came
+        back (which are returned without it) becomes this stage's."""
+        if not self.enabled or results is None:
+            return results
+        size = len(state_bytes(self.device))
+        set_state_bytes(results[-size:], self.device, f"stage {self.stage}, end of the step")
+        return results[:-size]
+
+    def share_last_stage(self, src: int, group: Any, is_last: bool) -> None:
+        """After an evaluation step: the last stage's (global rank ``src``) state on every stage, with one broadcast
+        over the pipeline's ``group`` (evaluation sends nothing backward for it to ride on)."""
+        if not self.enabled:
+            return
+        state = torch.frombuffer(bytearray(state_bytes(self.device)), dtype=torch.uint8).to(self.device)
+        dist.broadcast(state, src=src, group=group)
+        if not is_last:
+            set_state_bytes(state.cpu().numpy().tobytes(), self.device, f"stage {self.stage}, evaluation")
 
 
 __all__ = ["Handoff", "frozen_rng", "set_state_bytes", "state_bytes"]
