@@ -77,6 +77,7 @@ def build_stage(trainer: pl.Trainer, module: pl.LightningModule, options: Clappi
     partition = check_model(module, precision_plugin, options, placement.num_stages)
     assert partition is not None
     check_same_cuts(partition, placement.num_ranks)
+    refuse_weight_averaging(trainer.callbacks, placement.num_stages)
     if trainer.state.fn == TrainerFn.FITTING:
         rank_zero_info(f"ClappingStrategy: {placement.num_stages} stages, schedule {schedule}, "
                        f"{options.microbatches} micro-batches\n{partition.table()}\n{placement.topology.describe()}")
@@ -101,6 +102,28 @@ def build_stage(trainer: pl.Trainer, module: pl.LightningModule, options: Clappi
         for obj, name, value in _compat.sigterm_without_collectives(trainer):
             patches.set(obj, name, value)
     return partition, runner
+
+
+#: Lightning's callbacks that keep an averaged copy of the whole LightningModule (both Lightning namespaces)
+_AVERAGING = ("StochasticWeightAveraging", "WeightAveraging")
+
+
+def refuse_weight_averaging(callbacks: list[Any], num_stages: int) -> None:
+    """Refuse Lightning's weight-averaging callbacks before any step: they copy the whole LightningModule into an
+    averaged model, update it from every parameter and save it in place of the trained weights, while a stage holds
+    only its own part (the others' layers are on the meta device), so the copy fails or the averaged model would miss
+    every other stage's weights."""
+    if num_stages < 2:
+        return
+    for cb in callbacks:
+        names = [c.__name__ for c in type(cb).__mro__
+                 if c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")]
+        if any(n in _AVERAGING for n in names):
+            raise ValueError(
+                f"{type(cb).__name__} cannot run under ClappingStrategy with {num_stages} stages: it keeps an averaged "
+                "copy of the whole LightningModule and saves it in place of the trained weights, but each stage holds "
+                "only its own layers, so the copy would miss the other stages' weights. Remove the callback (train "
+                "without weight averaging), or average in one process with the plain or DDP strategy.")
 
 
 def check_same_cuts(partition: Partition, num_ranks: int) -> None:
