@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +36,7 @@ from lightning_clapping.hooks import EPOCH_END_HOOKS, EpochEndHooks
 from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.options import ClappingOptions
 from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
+from lightning_clapping.pipeline import coupling
 from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
 from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
@@ -101,6 +103,7 @@ class StepDriver:
         if self.executor.needs_plan("train"):
             with self._reported(), self.precision_plugin.train_step_context(), first_pass.quiet(module, relay):
                 self._report_plan(self.executor.plan_crossings("train", microbatches[0], step))
+            self._warn_batch_coupling(sizes)
         with self._reported(), self.precision_plugin.train_step_context(), self._settling_shared_owners():
             if self.ties is not None:
                 self.ties.sync_copies(module)  # once: every copy of a tied tensor starts from the same values
@@ -190,6 +193,19 @@ class StepDriver:
                 self._report_plan(self.executor.plan_crossings(kind, microbatches[0], step))
         with self._reported(), self._settling_shared_owners():
             return self.executor.eval_step(microbatches, step, StepContext(sizes=sizes), kind), sizes
+
+    def _warn_batch_coupling(self, sizes: list[int]) -> None:
+        """Once: with several micro-batches, an operation of the step that mixes a batch's samples mixes those of one
+        micro-batch (:mod:`lightning_clapping.pipeline.coupling`)."""
+        crossings = self.runner.crossings
+        found = coupling.batch_coupling(crossings.coupled, sizes[0]) if crossings and len(sizes) > 1 else None
+        if found is not None:
+            warnings.warn(
+                f"ClappingStrategy: stage {self.placement.stage}'s part of the step calls `{found}` across the batch "
+                f"(a permutation, flip or pairwise term over its {sizes[0]} samples), but with microbatches="
+                f"{len(sizes)} the step sees one micro-batch at a time, so it mixes only the samples of each "
+                "micro-batch, unlike one process with the whole batch. Use microbatches=1 for the one-process "
+                "result.", UserWarning, stacklevel=2)
 
     @staticmethod
     def _report_plan(plan: Any) -> None:

@@ -56,6 +56,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from lightning_clapping._compat import tree_flatten, tree_unflatten
 from lightning_clapping.pipeline.crossing_plan import CrossingError, Need, Plan, op_code
 from lightning_clapping.pipeline.crossing_plan import where as event_where
+from lightning_clapping.pipeline import coupling
 from lightning_clapping.pipeline.draws import apply_with_real_values, draws, is_random
 
 
@@ -159,6 +160,8 @@ class Crossings:
         #: of every operation this stage runs inside its part
         self.recomputed: dict[tuple[int, int], tuple[int, Tensor]] = {}
         self.own: dict[int, Any] = {}
+        #: while discovering: operations of this stage's own code that may mix a batch's samples (pipeline/coupling)
+        self.coupled: list[tuple] = []
         self._make = self.plan.made_on(self.stage) if self.plan is not None else {}
 
     # ------------------------------------------------------------------ per micro-batch
@@ -460,6 +463,8 @@ class _Mode(TorchFunctionMode):
                 c._keep(event, value, name)
                 if c.discovering:
                     c.own[event] = value
+            if c.discovering and (seen := coupling.record(name, args, kwargs, out)) is not None:
+                c.coupled.append(seen)
             return out
         # a random draw depends on where this stage's generator is, not on the batch: the stage whose part of the
         # code draws it makes it for real (see the module docstring)
