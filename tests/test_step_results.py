@@ -111,8 +111,9 @@ def test_no_training_step_waits_on_a_collective(ranks):
         assert len(run["steps"]) == STEPS
         for step, counted in enumerate(run["steps"]):
             # the byte numbers' all_gather is started and left running; it is read a step later. Before the first
-            # step only, the stages exchange which values cross cuts (two all_gathers: sizes, then rows)
-            first = ["all_gather", "all_gather"] if step == 0 else []
+            # step only, the stages exchange which values cross cuts (two all_gathers: sizes, then rows), then the
+            # guard's summaries of recomputed values and its mismatch reports (two more of each: pipeline/agreement)
+            first = ["all_gather"] * 6 if step == 0 else []
             assert counted["names"] == first + ["all_gather(async)"], (rank, step, counted["names"])
 
 
