@@ -138,6 +138,7 @@ class StageRunner:
         self.state = _INSIDE if self.stage == 0 else _BEFORE
         self.captured = None
         self._provider = provider
+        self._called: set[str] = set()  # the units called so far in this micro-batch (for refusals)
         if self.crossings is not None:
             self.crossings.begin(kind, discovering)
         try:
@@ -254,6 +255,8 @@ class StageRunner:
             state = runner.state
             if state == _IDLE:
                 return original(*args, **kwargs)
+            first_call = name not in runner._called
+            runner._called.add(name)
             crossings = runner.crossings
             if name == runner.exit:
                 if state != _INSIDE:
@@ -289,6 +292,8 @@ class StageRunner:
                     return crossings.call_unit(name, lambda: runner._stub(name, original, args, kwargs), True)
                 return runner._stub(name, original, args, kwargs)
             if stateful and unit_stage != runner.stage:
+                if first_call and unit_stage < runner.stage:
+                    raise runner._registered_before_called(name, unit_stage)
                 where = "after the cut into" if unit_stage < runner.stage else "before the end of"
                 raise SplitError(
                     f"{name!r} belongs to stage {unit_stage} but is called {where} stage {runner.stage}. Either the "
@@ -302,6 +307,19 @@ class StageRunner:
             return original(*args, **kwargs)
 
         return forward
+
+    def _registered_before_called(self, name: str, unit_stage: int) -> SplitError:
+        """The refusal of a module with parameters that the model registers before a cut but first calls after it
+        (Hugging Face OPT's ``final_layer_norm``, litgpt's ``lm_head``): stages follow registration order, so it
+        belongs to an earlier stage than the one that calls it, and no ``split_points`` can change that."""
+        parent, _, leaf = name.rpartition(".")
+        owner = f"self.{parent}" if parent else "self"
+        return SplitError(
+            f"{name!r} is registered before the cut at {self.entry!r} but forward first calls it after that cut, on "
+            f"stage {self.stage}: stages own modules in the order the model registers them, so it belongs to stage "
+            f"{unit_stage}, and no split_points can move it. Register it again where forward calls it, in your "
+            f"LightningModule's __init__ after building the model: `{owner}.{leaf} = {owner}._modules.pop({leaf!r})` "
+            "(this moves it after its siblings; its parameter names and checkpoints do not change).")
 
     def _wrap_free(self, name: str, original: Callable) -> Callable:
         """A module without parameters or saved state: it runs where the forward calls it, on every stage (its

@@ -211,3 +211,16 @@ def test_a_permutation_across_the_batch_with_micro_batches_is_warned_about_once(
     assert "microbatches=2" in warned[0] and "Use microbatches=1" in warned[0]
     single = launch_forked(SCRIPT, str(tmp_path), "mlm", "pipe_frozen", ranks=2, cwd=tmp_path, timeout=TIMEOUT)
     assert "across the batch" not in single.stderr  # a loss without a batch-coupling term: no warning
+
+
+# ------------------------------------------------------------------------------------------ registration order
+def test_opt_whose_final_norm_is_registered_before_the_layers_is_refused_with_a_fix_that_works(tmp_path):
+    """Hugging Face OPT registers ``final_layer_norm`` before ``layers`` and calls it after them; the refusal names
+    the module and the line that registers it where forward calls it, and with that line the model trains as in one
+    process."""
+    run = run_case("opt", tmp_path)
+    assert not run.pipe_ok and not run.timed_out, run.failure()
+    fix = "self.model.model.decoder.final_layer_norm = self.model.model.decoder._modules.pop('final_layer_norm')"
+    assert any("'model.model.decoder.final_layer_norm' is registered before the cut" in e and fix in e
+               for e in run.errors()), run.failure()
+    assert_same_weights(run_case("opt_reordered", tmp_path))

@@ -33,6 +33,9 @@ writes:           the step writes the backbone's features into buffers it made, 
                   and one through a view (``b[:, 2:].copy_(...)``), and uses both in the loss after the cut.
 rank_dependent:   a value before the cut computed from the process's rank (state that differs between processes,
                   which the tracker cannot see): the run-time guard must stop it at the first step.
+opt:              Hugging Face OPT built from a config, cut between its decoder layers: ``final_layer_norm`` is
+                  registered before the layers and called after them (refused with what to do);
+opt_reordered:    the same after doing what the refusal says (``final_layer_norm`` registered again after the layers).
 ddpm_frozen:      the ddpm case with the default ``freeze_rng=True`` and 2 micro-batches, against the same strategy on
                   one device (modes ``pipe_frozen`` / ``single_frozen``): every draw happens before the first cut, on
                   stage 0 under the micro-batch's frozen seed, so both runs draw the same numbers.
@@ -308,6 +311,28 @@ class RankDependent(DANN):
         return loss
 
 
+class OPT(_SGD):
+    """Hugging Face OPT from a config: its decoder registers ``final_layer_norm`` before ``layers`` and calls it after
+    them. ``reordered``: what the refusal says to do, registering it again after the layers."""
+
+    def __init__(self, reordered: bool = False):
+        super().__init__()
+        from transformers import OPTConfig, OPTForCausalLM
+
+        config = OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32, num_attention_heads=2,
+                           max_position_embeddings=32, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0)
+        self.model = OPTForCausalLM(config)
+        if reordered:
+            decoder = self.model.model.decoder
+            decoder.final_layer_norm = decoder._modules.pop("final_layer_norm")
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+
 # ------------------------------------------------------------------------------------------------ the cases
 SPLITS = {
     "ddpm": ["net.2"],
@@ -323,6 +348,8 @@ SPLITS = {
     "writes": ["classifier"],
     "rank_dependent": ["classifier"],
     "ddpm_frozen": ["net.2"],
+    "opt": ["model.model.decoder.layers.1"],
+    "opt_reordered": ["model.model.decoder.layers.1"],
 }
 EPOCHS = 2  # the loader is iterated anew between them (in one process it draws its workers' seed from the RNG)
 STEPS_PER_EPOCH = 3
@@ -351,6 +378,9 @@ def build(case: str) -> tuple[L.LightningModule, DataLoader, list[L.Callback]]:
         domain = torch.randint(0, 2, (n,), generator=_generator(2))
         kind = {"grad_reverse": DANN, "hashing": Hashing, "writes": Writes, "rank_dependent": RankDependent}[case]
         model, data = kind(total_steps=EPOCHS * STEPS_PER_EPOCH), (x, y, domain)
+    elif case in ("opt", "opt_reordered"):
+        model = OPT(reordered=case == "opt_reordered")
+        data = (torch.randint(0, 64, (n, 12), generator=_generator(1)),)
     elif case == "swa":
         model, data = MLP(), _classification(n)
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1))
