@@ -37,6 +37,7 @@ from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.options import ClappingOptions
 from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
 from lightning_clapping.pipeline import coupling
+from lightning_clapping.pipeline.foreign import GUARDED_HOOKS, ForeignStateGuard
 from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
 from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
@@ -68,11 +69,17 @@ class StepDriver:
         self._tie_sum_due = False
 
     def patch_hooks(self, patches: Patches) -> None:
-        """The epoch-end hooks run on the last stage only (:mod:`lightning_clapping.hooks`), and clipping goes by
-        the whole model's norm."""
+        """The epoch-end hooks run on the last stage only (:mod:`lightning_clapping.hooks`), the hooks around the
+        step refuse to mix other stages' placeholders with real tensors (:mod:`lightning_clapping.pipeline.foreign`),
+        and clipping goes by the whole model's norm."""
         hooks = EpochEndHooks(self.module, self.placement, self.relay, self.broadcast_logs)
         for hook in EPOCH_END_HOOKS:  # on the last stage, with a rule for collectives (see hooks.py)
             patches.set(self.module, hook, hooks.wrap(hook, getattr(self.module, hook)))
+        if self.placement.num_stages > 1:  # hooks that mix another stage's placeholders with real tensors: refused
+            guard = ForeignStateGuard(self.module, self.placement.stage, self.partition.state_stage)
+            for hook in GUARDED_HOOKS:
+                if not getattr(type(self.module), hook).__module__.startswith(("lightning.", "pytorch_lightning.")):
+                    patches.set(self.module, hook, guard.wrap(hook, getattr(self.module, hook)))
         patches.set(self.precision_plugin, "clip_grad_by_norm", self.clip_grad_by_norm)
         fault_tolerance.attach(self, patches)  # with fault_tolerance: torchft averages over the replica groups
 

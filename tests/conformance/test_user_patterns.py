@@ -224,3 +224,14 @@ def test_opt_whose_final_norm_is_registered_before_the_layers_is_refused_with_a_
     assert any("'model.model.decoder.final_layer_norm' is registered before the cut" in e and fix in e
                for e in run.errors()), run.failure()
     assert_same_weights(run_case("opt_reordered", tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ hooks around the step
+def test_a_mean_teacher_updated_from_the_whole_student_in_a_hook_is_refused_naming_the_tensor(tmp_path):
+    """The teacher's moving average reads student layers that another stage holds: on this stage they are placeholders
+    without values (``real.add_(meta)`` changes nothing), so it is refused rather than decaying the teacher."""
+    run = run_case("mean_teacher", tmp_path)
+    assert not run.pipe_ok and not run.timed_out, run.failure()
+    named = [e for e in run.errors() if "on_train_batch_end uses 'net.0.weight'" in e or
+             "on_train_batch_end uses 'teacher.0.weight'" in e]
+    assert named and all("held by stage" in e for e in named), run.failure()

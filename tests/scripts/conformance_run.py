@@ -33,6 +33,8 @@ writes:           the step writes the backbone's features into buffers it made, 
                   and one through a view (``b[:, 2:].copy_(...)``), and uses both in the loss after the cut.
 rank_dependent:   a value before the cut computed from the process's rank (state that differs between processes,
                   which the tracker cannot see): the run-time guard must stop it at the first step.
+mean_teacher:     a mean teacher: a copy of the network updated as the student's moving average in
+                  ``on_train_batch_end`` (the teacher's layers live on a later stage than most of the student's).
 opt:              Hugging Face OPT built from a config, cut between its decoder layers: ``final_layer_norm`` is
                   registered before the layers and called after them (refused with what to do);
 opt_reordered:    the same after doing what the refusal says (``final_layer_norm`` registered again after the layers).
@@ -43,6 +45,7 @@ ddpm_frozen:      the ddpm case with the default ``freeze_rng=True`` and 2 micro
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -311,6 +314,31 @@ class RankDependent(DANN):
         return loss
 
 
+class MeanTeacher(MLP):
+    """A mean teacher: a copy of the network, updated in ``on_train_batch_end`` as an exponential moving average of
+    the student's weights, and a consistency loss between the two."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = copy.deepcopy(self.net)
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        student = self(x)
+        with torch.no_grad():
+            teacher = self.teacher(x)
+        loss = F.cross_entropy(student, y) + F.mse_loss(student.softmax(-1), teacher.softmax(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.net.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+
+
 class OPT(_SGD):
     """Hugging Face OPT from a config: its decoder registers ``final_layer_norm`` before ``layers`` and calls it after
     them. ``reordered``: what the refusal says to do, registering it again after the layers."""
@@ -349,6 +377,7 @@ SPLITS = {
     "rank_dependent": ["classifier"],
     "ddpm_frozen": ["net.2"],
     "opt": ["model.model.decoder.layers.1"],
+    "mean_teacher": ["net.2"],
     "opt_reordered": ["model.model.decoder.layers.1"],
 }
 EPOCHS = 2  # the loader is iterated anew between them (in one process it draws its workers' seed from the RNG)
@@ -381,6 +410,8 @@ def build(case: str) -> tuple[L.LightningModule, DataLoader, list[L.Callback]]:
     elif case in ("opt", "opt_reordered"):
         model = OPT(reordered=case == "opt_reordered")
         data = (torch.randint(0, 64, (n, 12), generator=_generator(1)),)
+    elif case == "mean_teacher":
+        model, data = MeanTeacher(), _classification(n)
     elif case == "swa":
         model, data = MLP(), _classification(n)
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1))
