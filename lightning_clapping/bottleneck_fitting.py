@@ -56,8 +56,9 @@ class FitBottlenecks(pl.Callback):
     device's) is put back afterwards, so training draws what it would have drawn without the fit. After the fit,
     :attr:`kept` holds, by module name, the fraction of its inputs' energy each bottleneck keeps (printed too).
 
-    It runs under ``ClappingStrategy``, and in one process under a single-device or DDP strategy (each process fits
-    on its batches). A strategy that shards or wraps the weights (FSDP, DeepSpeed) is refused: there, call
+    It runs under ``ClappingStrategy``, and in one process under a single-device or DDP strategy (under DDP each
+    process fits on its batches, the processes add up their sums, and every replica starts from the same weights).
+    A strategy that shards or wraps the weights (FSDP, DeepSpeed) is refused: there, call
     :func:`~lightning_clapping.fit_bottlenecks` on the model before ``Trainer.fit``.
     """
 
@@ -88,7 +89,8 @@ class FitBottlenecks(pl.Callback):
                     self.kept = strategy.fit_bottlenecks(self.batches, run, self.positions)
                 else:
                     self.kept = _in_one_process(pl_module, self.batches, run, self.positions,
-                                                lambda b: _compat.training_batch(trainer, b))
+                                                lambda b: _compat.training_batch(trainer, b),
+                                                _data_parallel(strategy))
         rank_zero_info(f"{WHO}: fitted " + ", ".join(f"{n} (keeps {k:.1%} of its inputs' energy)"
                                                      for n, k in self.kept.items()))
 
@@ -100,11 +102,48 @@ class FitBottlenecks(pl.Callback):
 
 
 def _in_one_process(module: pl.LightningModule, batches: Iterable[Any], run: Callable[[Any], Any],
-                    positions: Callable[[Any], Tensor] | None, prepare: Callable[[Any], Any]) -> dict[str, float]:
-    """:func:`fit_bottlenecks` on ``module``, with what the forward logs dropped and its attributes put back."""
+                    positions: Callable[[Any], Tensor] | None, prepare: Callable[[Any], Any],
+                    device: torch.device | None = None) -> dict[str, float]:
+    """:func:`fit_bottlenecks` on ``module``, with what the forward logs dropped and its attributes put back. With
+    ``device`` (DDP, several processes; collective over all of them) the processes add up their sums before each
+    bottleneck's directions are taken, and rank 0's weights go to the others, so every replica starts the same."""
     relay = LogRelay(module)
+    combine = None if device is None else (lambda recorder: _add_up_over_processes(recorder, device))
     with first_pass.quiet(module, relay), relay.capture(1):
-        return bn.fit_bottlenecks(module, _Prepared(batches, prepare), run, positions)
+        kept = bn.fit_combined(module, _Prepared(batches, prepare), run, positions, combine)
+    if device is not None:  # the same sums give the same directions; rank 0's make sure of it, to the bit
+        for b in bn.bottlenecks_of(module, WHO).values():
+            for weight in (b.down.weight, b.up.weight):
+                value = weight.detach().to(device)
+                dist.broadcast(value, src=0)
+                with torch.no_grad():
+                    weight.copy_(value)
+    return kept
+
+
+def _data_parallel(strategy: Any) -> torch.device | None:
+    """The device of the DDP processes' collectives when several processes train replicas; else None."""
+    if isinstance(strategy, DDPStrategy) and strategy.world_size > 1 and dist.is_available() and dist.is_initialized():
+        return strategy.root_device
+    return None
+
+
+def _add_up_over_processes(recorder: bn.GramRecorder, device: torch.device) -> None:
+    """After a pass, collective over every DDP process: they agree on the bottleneck reached (a process without
+    batches reached none) and add up their second moments and counted positions, as the stages' replicas do."""
+    names = list(recorder._pending)
+    index = torch.tensor([names.index(recorder.first) if recorder.first is not None else -1], device=device)
+    dist.all_reduce(index, op=dist.ReduceOp.MAX)
+    if int(index) < 0:
+        return  # no process reached one: each refuses alike
+    name = names[int(index)]
+    features = recorder._pending[name].features
+    gram = (recorder.gram.to(device) if recorder.gram is not None
+            else torch.zeros(features, features, dtype=torch.float64, device=device))
+    rows = torch.tensor([float(recorder.rows)], dtype=torch.float64, device=device)
+    dist.all_reduce(gram)
+    dist.all_reduce(rows)
+    recorder.first, recorder.gram, recorder.rows = name, gram, int(rows.item())
 
 
 class _Prepared:

@@ -145,13 +145,21 @@ def fit_bottlenecks(model: nn.Module, batches: Iterable[Any], run: Callable[[Any
 
     Returns, by module name, the fraction of its inputs' energy (summed squares) that each bottleneck keeps.
     """
-    found = bottlenecks_of(model, "fit_bottlenecks")
+    bottlenecks_of(model, "fit_bottlenecks")
     check_reusable(batches, "fit_bottlenecks")
-    run = model if run is None else run
+    return fit_combined(model, batches, model if run is None else run, positions)
+
+
+def fit_combined(model: nn.Module, batches: Iterable[Any], run: Callable[[Any], Any],
+                 positions: Callable[[Any], Tensor] | None,
+                 combine: Callable[[GramRecorder], None] | None = None) -> dict[str, float]:
+    """:func:`fit_bottlenecks`, with ``combine(recorder)`` called after each pass, before the directions are taken
+    (data parallelism: it adds up the processes' sums, so every process takes the same directions)."""
+    found = bottlenecks_of(model, "fit_bottlenecks")
     kept: dict[str, float] = {}
     with eval_flags(model):
         while len(kept) < len(found):
-            name, bottleneck, gram = _second_moments(found, kept, batches, run, positions)
+            name, bottleneck, gram = _second_moments(found, kept, batches, run, positions, combine)
             top, kept[name] = principal_directions(gram, bottleneck.rank)
             set_directions(bottleneck, top)
     return kept
@@ -213,8 +221,8 @@ def set_directions(bottleneck: Bottleneck, top: Tensor) -> None:
 
 
 def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],
-                    run: Callable[[Any], Any], positions: Callable[[Any], Tensor] | None
-                    ) -> tuple[str, Bottleneck, Tensor]:
+                    run: Callable[[Any], Any], positions: Callable[[Any], Tensor] | None,
+                    combine: Callable[[GramRecorder], None] | None = None) -> tuple[str, Bottleneck, Tensor]:
     """One pass over ``batches``: the first bottleneck not in ``done`` that the forward reaches, and the float64
     second-moment matrix ``x^T x`` of everything it received (at the counted ``positions``)."""
     with GramRecorder("fit_bottlenecks", {n: m for n, m in found.items() if n not in done}) as recorder:
@@ -222,6 +230,8 @@ def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batche
             for batch in batches:
                 recorder.start_forward(None if positions is None else positions(batch))
                 run(batch)
+    if combine is not None:
+        combine(recorder)
     name, gram = recorder.result()
     return name, found[name], gram
 
