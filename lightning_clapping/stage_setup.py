@@ -140,6 +140,56 @@ def check_same_cuts(partition: Partition, num_ranks: int) -> None:
         )
 
 
+def check_tied_param_groups(optimizers: list[Any], module: pl.LightningModule, partition: Partition,
+                            placement: Placement) -> None:
+    """Collective over the pipeline, once per fit, after ``configure_optimizers``: every copy of a tensor tied across
+    stages must sit in a parameter group with the same settings (the same optimizer, and every hyperparameter but the
+    parameter list), else each stage steps its copy with its own group's settings and the copies drift apart. Groups
+    built by name (decay / no decay, an lr per module) put the names of one tied tensor in different groups: one
+    process lists the tensor once, under its first name, but each stage lists its own copy under its own name."""
+    if not partition.tied or placement.num_stages < 2:
+        return
+
+    def where(param: torch.nn.Parameter) -> list[Any] | None:
+        for o, optimizer in enumerate(optimizers):
+            for g, group in enumerate(getattr(optimizer, "_optimizer", optimizer).param_groups):
+                if any(p is param for p in group["params"]):
+                    settings = {k: repr(v) for k, v in sorted(group.items()) if k != "params"}
+                    return [o, g, settings]
+        return None
+
+    stage = placement.stage
+    mine = [[i, key, where(module.get_parameter(key))] for i, g in enumerate(partition.tied)
+            if (key := g.key_on(stage)) is not None]
+    every = safe_objects.all_gather({"stage": stage, "copies": mine}, group=placement.pp_group)
+    copies: dict[int, list[tuple[int, str, Any]]] = {}
+    for part in every:
+        for i, key, found in part["copies"]:
+            copies.setdefault(i, []).append((part["stage"], key, found))
+    for i, held in sorted(copies.items()):
+        found = [f for _, _, f in held]
+        if len({None if f is None else (f[0], tuple(sorted(f[2].items()))) for f in found}) == 1:
+            continue
+        differ = sorted({k for f in found if f is not None for k, v in f[2].items()
+                         if any(o is None or o[2].get(k) != v for o in found)})
+
+        def said(s: int, key: str, f: Any) -> str:
+            if f is None:
+                return f"stage {s} steps {key!r} in no optimizer"
+            return (f"stage {s} steps {key!r} in optimizer {f[0]}, param group {f[1]}"
+                    + "".join(f", {k}={f[2].get(k)}" for k in differ))
+
+        keys = partition.tied[i].keys
+        raise ValueError(
+            f"ClappingStrategy: the tied tensor {' / '.join(map(repr, keys))} is one tensor, of which every stage that "
+            f"uses it trains a copy, but configure_optimizers put the copies in parameter groups with different "
+            f"settings: {'; '.join(said(*h) for h in sorted(held, key=lambda h: h[0]))}. The copies would drift apart. "
+            f"One process lists the tensor once, under {keys[0]!r}; here each stage lists its copy under its own "
+            f"name. Put all of {' and '.join(map(repr, keys))} in the same parameter group (choose groups by tensor, "
+            f"not by name: give every name of a tied tensor the group of its first name)."
+        )
+
+
 def warn_empty_stages(partition: Partition, num_stages: int) -> None:
     empty = [s for s, n in enumerate(partition.stage_params) if n == 0]
     if empty and not partition.shared_params:

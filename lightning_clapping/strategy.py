@@ -367,6 +367,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            stage_setup.check_tied_param_groups(self.optimizers, module, self.partition, placement)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
