@@ -7,7 +7,8 @@ to a fit, all through attributes set for the run (:class:`~lightning_clapping.st
 * the step's gradient average: the step driver's ``GradientAverager`` with torchft's all-reduce as its DDP hook;
 * the optimizer step runs only when torchft's vote says every rank of every live group got through the step
   (a group that died mid-step fails it for the others, who then skip that one update, as torchft's own optimizer
-  wrapper does);
+  wrapper does); a skipped update also leaves the error-feedback residuals of a compressed tied sum (``tied_codec``)
+  as they were before the step;
 * the quorum of the next step is formed at the end of each step (a callback's ``on_train_batch_end``, where
   Lightning's own mid-epoch checkpoints are taken); there a group that is behind takes a live peer's state:
   this stage's parameters and buffers, optimizer, LR schedulers and precision state;
@@ -92,7 +93,7 @@ class FaultTolerantFit:
         self._loop_state: dict | None = None  # a peer's fit-loop state, taken at the first quorum
         self._joining = True  # until the first quorum: the loop and data positions may come from a peer
         optimizer = strategy.optimizers[0]
-        patches.set(optimizer, "step", self._gated(optimizer.step))
+        patches.set(optimizer, "step", self._gated(optimizer.step, driver.ties))
         patches.set(strategy, "process_dataloader", self._processing(strategy.process_dataloader))
         patches.set(strategy, "teardown", self._closing(strategy.teardown))
         patches.set(trainer, "callbacks", [*trainer.callbacks, QuorumCallback(self)])
@@ -100,12 +101,16 @@ class FaultTolerantFit:
                        f"lighthouse {config.lighthouse}")
 
     # ------------------------------------------------------------------ the step
-    def _gated(self, step: Any) -> Any:
+    def _gated(self, step: Any, ties: Any = None) -> Any:
+        """``step`` only when the vote commits; a refused step also leaves the tied sum's error-feedback residuals
+        (``ties``, updated in the closure's backward) as they were before it."""
         def gated_step(closure: Any = None, **kwargs: Any) -> Any:
             loss = closure() if closure is not None else None
             if self.group.should_commit():
                 step(**kwargs)
             else:
+                if ties is not None:
+                    ties.discard_step()
                 log.warning("replica group %d: step %d not committed (a peer failed during it)",
                             self.config.replica_group, self.trainer.global_step)
             return loss

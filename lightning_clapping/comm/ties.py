@@ -60,6 +60,7 @@ class TiedGradients:
         self.timeout = timeout
         #: error-feedback residual per group index (compressed only), on this stage
         self.residuals: dict[int, Tensor] = {}
+        self._before: dict[int, Tensor] = {}  # the residuals before the last sum (see :meth:`discard_step`)
         self._synced = False
 
     def held(self) -> list[tuple[int, TiedGroup]]:
@@ -79,6 +80,7 @@ class TiedGradients:
         held = self.held()
         if not held:
             return
+        self._before = dict(self.residuals)  # _encode replaces a residual, never writes into it
         ops, mine, theirs = [], {}, {}
         for i, g in held:
             p = self._param(module, g)
@@ -103,6 +105,12 @@ class TiedGradients:
                 p.grad = total
             else:
                 p.grad.copy_(total)
+
+    def discard_step(self) -> None:
+        """The optimizer step after the last :meth:`sum_gradients` was not taken (torchft's vote refused it): the
+        residuals go back to what they were before that sum. The residual assumes that ``D(C(g + e))`` reached the
+        weights; a refused step applied none of it, and its gradient may be undefined (a failed all-reduce)."""
+        self.residuals = dict(self._before)
 
     def _encode(self, index: int, grad: Tensor, step: int) -> tuple[Tensor, Tensor]:
         """(what this stage sends, the value every member adds for it)."""
