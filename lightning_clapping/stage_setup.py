@@ -342,13 +342,27 @@ def release_stage(module: pl.LightningModule | None, runner: StageRunner | None,
 
 
 def _rebind_optimizers(optimizers: list[Any], before: dict[int, str], after: dict[str, Any]) -> None:
-    """Point the optimizers' parameter lists (and their state) at the parameters the full load put in the module."""
+    """Point the optimizers' parameter lists (and their state) at the parameters the full load put in the module.
+
+    The stages' copies of a tied tensor (each a parameter of its own, listed apart) became one parameter again
+    (:func:`retie`): it is listed once, where its first copy was, as one process lists it, and keeps the state of the
+    copy this rank trained (not a released one's, on the meta device)."""
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         swap = {id(p): after[before[id(p)]] for g in optimizer.param_groups for p in g["params"] if id(p) in before}
+        listed: set[int] = set()
         for group in optimizer.param_groups:
-            group["params"] = [swap.get(id(p), p) for p in group["params"]]
-        state = {swap.get(id(p), p): s for p, s in optimizer.state.items()}
+            params = []
+            for p in group["params"]:
+                p = swap.get(id(p), p)
+                if id(p) not in listed:
+                    listed.add(id(p))
+                    params.append(p)
+            group["params"] = params
+        state: dict[Any, Any] = {}
+        for p, s in optimizer.state.items():
+            if swap.get(id(p), p) not in state or not p.is_meta:
+                state[swap.get(id(p), p)] = s
         optimizer.state.clear()
         optimizer.state.update(state)
 
