@@ -318,6 +318,11 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
 
     spanning = [i for i in range(len(names)) if any(i < p <= end[i] for p in positions)]
     span_set = set(spanning)
+    # the modules whose children are units: the spanning ones, and below them the module lists and dicts that lie in
+    # one stage. Forward never calls a ModuleList, it calls its elements (`for blk in self.blocks: x = blk(x)`), so a
+    # list cannot be a unit: the wrapper on its forward would never run, and its elements would run unwrapped on every
+    # stage (on another stage, with their weights on the meta device)
+    holders = set(span_set)
     unit_stage: dict[str, int] = {}
     stateful: set[str] = set()
     free: list[str] = []
@@ -326,7 +331,10 @@ def build_partition(model: nn.Module, num_stages: int, split_points: list[str] |
         if i in span_set:
             continue
         parent = name.rpartition(".")[0] if "." in name else ""
-        if name == "" or index.get(parent) in span_set:
+        if name == "" or index.get(parent) in holders:
+            if name and isinstance(modules[name], (nn.ModuleList, nn.ModuleDict)):
+                holders.add(i)
+                continue
             if name and name not in cut_set and _is_free(modules[name]):
                 free.append(name)  # called where the forward calls it, not where it is registered
                 continue
