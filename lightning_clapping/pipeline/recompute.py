@@ -10,6 +10,11 @@ The recompute must see the dropout masks of the original forward: a micro-batch'
 ``preserve_rng_state=True`` saves the RNG state at the wrapped call and restores it for the recompute, so the
 recomputed forward draws exactly what the original drew. Without gradients (evaluation, the shape-only runs of
 other stages' modules) the wrapper calls the forward directly.
+
+``torch.utils.checkpoint`` written by the user around a unit's call in the parent's code (``x = checkpoint(blk, x)``
+in the loop over blocks) recomputes the unit in backward, outside the micro-batch, with the tensors the parent
+passed: placeholders where the stage received or was sent the real ones. The stage's wrapper records what it handed
+the unit instead (:func:`remember_substitution`) and hands it again in the recompute (:func:`substitution_again`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,34 @@ from lightning_clapping._compat import tree_flatten, tree_unflatten
 from lightning_clapping.pipeline.partition import Partition, block_candidates
 
 Policy = bool | frozenset  # True: the model's blocks; a frozenset of nn.Module subclasses
+
+
+#: on a tensor the forward passed to units whose wrapper gave them another one instead (the received tensor at the
+#: entry, a crossing value's real one): unit name -> what the unit got. ``torch.utils.checkpoint`` around a unit's
+#: call, in the user's code, keeps the tensors the forward passed and calls the unit with them again in backward,
+#: outside the micro-batch; the wrapper then hands the unit what it got the first time.
+_STOOD_FOR = "_clapping_stood_for"
+
+
+def remember_substitution(name: str, given: tuple, used: tuple) -> None:
+    if used is given:
+        return
+    for x, t in zip(tree_flatten(given)[0], tree_flatten(used)[0]):
+        if isinstance(x, Tensor) and x is not t:
+            stood = x.__dict__.setdefault(_STOOD_FOR, {})
+            stood[name] = t
+
+
+def substitution_again(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor that stood for another in an earlier call of unit ``name`` replaced by it
+    (the recompute of a checkpointed call; see :data:`_STOOD_FOR`)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    found = False
+    for i, x in enumerate(leaves):
+        stood = getattr(x, _STOOD_FOR, None) if isinstance(x, Tensor) else None
+        if stood is not None and name in stood:
+            leaves[i], found = stood[name], True
+    return tree_unflatten(leaves, spec) if found else (args, kwargs)
 
 
 def check_policy(value: Any) -> Policy | None:

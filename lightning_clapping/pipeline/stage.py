@@ -33,10 +33,11 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_clapping.comm import safe_objects
 from lightning_clapping.pipeline import recompute as checkpointing
-from lightning_clapping._compat import FakeTensorMode, tree_flatten, tree_unflatten
+from lightning_clapping._compat import tree_flatten, tree_unflatten
 from lightning_clapping.pipeline.crossing_plan import CrossingError, Need
 from lightning_clapping.pipeline.crossings import Crossings
 from lightning_clapping.pipeline.partition import Partition, PartitionError
+from lightning_clapping.pipeline.placeholders import placeholder, run_on_fake, run_on_meta, signature
 
 
 class StageExit(BaseException):
@@ -51,7 +52,6 @@ class SplitError(RuntimeError):
 
 
 _IDLE, _BEFORE, _INSIDE = "idle", "before", "inside"
-
 
 def tensor_leaves(obj: Any) -> list[Tensor]:
     leaves, _ = tree_flatten(obj)
@@ -132,7 +132,7 @@ class StageRunner:
     # ------------------------------------------------------------------ per micro-batch
     @contextmanager
     def microbatch(self, provider: Callable[[], list[Tensor]] | None, kind: str = "train",
-                   discovering: bool = False):
+                   discovering: bool = False, checking: bool = False):
         """Run one micro-batch's step; ``provider`` returns the received boundary tensors (stages > 0). ``kind``
         names the step's plan of crossing values (see :meth:`discover`)."""
         self.state = _INSIDE if self.stage == 0 else _BEFORE
@@ -140,7 +140,7 @@ class StageRunner:
         self._provider = provider
         self._called: set[str] = set()  # the units called so far in this micro-batch (for refusals)
         if self.crossings is not None:
-            self.crossings.begin(kind, discovering)
+            self.crossings.begin(kind, discovering, checking)
         try:
             yield self
         finally:
@@ -254,6 +254,7 @@ class StageRunner:
         def forward(*args: Any, **kwargs: Any) -> Any:
             state = runner.state
             if state == _IDLE:
+                args, kwargs = checkpointing.substitution_again(name, args, kwargs)  # a user checkpoint's recompute
                 return original(*args, **kwargs)
             first_call = name not in runner._called
             runner._called.add(name)
@@ -275,6 +276,7 @@ class StageRunner:
 
                 def enter() -> Any:
                     a, k = runner._substitute(name, args, kwargs)
+                    checkpointing.remember_substitution(name, (args, kwargs), (a, k))
                     runner.state = _INSIDE
                     if crossings is not None:
                         crossings.inside = True
@@ -302,7 +304,9 @@ class StageRunner:
                     "called out of order (put all its uses in one stage with `split_points`)."
                 )
             if crossings is not None:
-                args, kwargs = crossings.real_values((args, kwargs), f"{name!r}")
+                given = (args, kwargs)
+                args, kwargs = real = crossings.real_values(given, f"{name!r}")
+                checkpointing.remember_substitution(name, given, real)
                 return crossings.call_unit(name, lambda: original(*args, **kwargs), False)
             return original(*args, **kwargs)
 
@@ -371,15 +375,15 @@ class StageRunner:
         whose output changes with its Python state is not caught and would be cached wrongly.
         """
         leaves, spec = tree_flatten((args, kwargs))
-        key = (name, tuple(_signature(x) for x in leaves))
+        key = (name, tuple(signature(x) for x in leaves))
         device = self._device(leaves)
         cached = self._stub_cache.get(key)
         if cached is None:
             try:
-                out = self._run_on_meta(original, leaves, spec)
+                out = run_on_meta(original, leaves, spec)
             except Exception as err:  # noqa: BLE001 - retried with fake tensors, then re-raised with the reason
                 try:
-                    out = self._run_on_fake(name, original, leaves, spec, device)
+                    out = run_on_fake(self._modules[name], original, leaves, spec, device)
                 except Exception as fake_err:  # noqa: BLE001
                     raise SplitError(
                         f"stage {self.stage} skips {name!r} (it runs on an earlier stage) and needs the shape of its "
@@ -392,7 +396,11 @@ class StageRunner:
             cached = (out_spec, template, [isinstance(x, Tensor) for x in out_leaves])
             self._stub_cache[key] = cached
         out_spec, template, is_tensor = cached
-        out = [_placeholder(t[0], t[1], device) if flag else t for t, flag in zip(template, is_tensor)]
+        # NaN marks a leaked value in what a step sends; the pass that finds the crossing values sends nothing, and
+        # there the stage's own code runs on these: finite ones in every usual domain (probabilities, logs) keep
+        # operations that check their inputs' values (binary_cross_entropy, multinomial) from refusing NaN
+        fill = 0.5 if self.crossings is not None and self.crossings.discovering else math.nan
+        out = [placeholder(t[0], t[1], device, fill) if flag else t for t, flag in zip(template, is_tensor)]
         return tree_unflatten(out, out_spec)
 
     def _device(self, leaves: list) -> torch.device | None:
@@ -405,68 +413,6 @@ class StageRunner:
                 if t.device.type != "meta":
                     return t.device
         return None
-
-    @staticmethod
-    def _run_on_meta(original: Callable, leaves: list, spec: Any) -> Any:
-        """Run the unit on meta tensors; under ``torch.device("meta")`` the tensors its forward creates without
-        ``device=`` (causal masks, position ids, rotary tables, ``torch.full``, ``randn``) are meta tensors too."""
-        meta = [x.to("meta") if isinstance(x, Tensor) else x for x in leaves]
-        margs, mkwargs = tree_unflatten(meta, spec)
-        with torch.no_grad(), torch.device("meta"):
-            return original(*margs, **mkwargs)
-
-    def _run_on_fake(self, name: str, original: Callable, leaves: list, spec: Any,
-                     device: torch.device | None) -> Any:
-        """Run the unit on fake tensors of the stage's device: what the meta device cannot run but fake tensors can.
-
-        Fake tensors carry a device, so a tensor made with an explicit ``device="cpu"`` or kept as a plain (non-buffer)
-        attribute mixes with them, and small constants built in forward (``torch.tensor(d).rsqrt().item()``, which
-        the meta device cannot read) keep their values. The unit's own parameters and buffers (on the meta device,
-        released by this stage) are swapped for fake ones of the stage's device for the call, through the module's
-        ``_parameters`` / ``_buffers`` dicts (so no hooks run and nothing is registered), and put back after. Code that
-        reads the values of its inputs (``.item()``, ``.tolist()``, ``nonzero``, ``if x.sum() > 0``) still fails.
-        """
-        device = device if device is not None else torch.device("cpu")
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        unit = self._modules[name]
-        swapped: list[tuple[dict, str, Tensor]] = []
-        try:
-            with torch.no_grad(), mode:
-                fakes: dict[int, Tensor] = {}  # by id: tied tensors stay tied
-
-                def fake_of(t: Tensor) -> Tensor:
-                    if id(t) not in fakes:
-                        fakes[id(t)] = (torch.empty(t.shape, dtype=t.dtype, device=device) if t.device.type == "meta"
-                                        else mode.from_tensor(t))
-                    return fakes[id(t)]
-
-                for mod in unit.modules():
-                    for store in (mod._parameters, mod._buffers):
-                        for k, t in store.items():
-                            if t is not None and t.device.type == "meta":
-                                swapped.append((store, k, t))
-                                store[k] = fake_of(t)
-                fleaves = [fake_of(x) if isinstance(x, Tensor) else x for x in leaves]
-                fargs, fkwargs = tree_unflatten(fleaves, spec)
-                return original(*fargs, **fkwargs)
-        finally:
-            for store, k, t in reversed(swapped):
-                store[k] = t
-
-
-def _signature(x: Any) -> Any:
-    if isinstance(x, Tensor):
-        return ("T", tuple(x.shape), x.dtype)
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return (type(x).__name__, x)
-    return (type(x).__name__,)
-
-
-def _placeholder(shape: tuple, dtype: torch.dtype, device: torch.device | None) -> Tensor:
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)
-
 
 def check_finite(tensors: list[Tensor], what: str, first_step: bool) -> None:
     """Refuse to send or use NaN, and say the likely cause.
