@@ -109,6 +109,9 @@ class ClappingOptions:
     pretrained: dict[str, str] | None = None
     #: replica groups that drop out and rejoin (lightning_clapping.ft); None: off
     fault_tolerance: Any = None
+    #: the run-time guard compares the stages' recomputed values again every this many training steps (None: only
+    #: at the first step of each kind); see lightning_clapping.pipeline.agreement
+    recheck_every: int | None = 100
     autotune_settings: AutotuneSettings = field(default_factory=AutotuneSettings)
 
     @classmethod
@@ -119,7 +122,7 @@ class ClappingOptions:
               process_group_backend: str | None, timeout: timedelta, liveness: timedelta | None,
               prepost_receives: bool | None, log_bytes: bool, state_dict_type: str, start_method: str,
               activation_checkpointing: Any, tied_codec: Any = None, pretrained: Any = None,
-              fault_tolerance: Any = None) -> ClappingOptions:
+              fault_tolerance: Any = None, recheck_every: int | None = 100) -> ClappingOptions:
         """Validate the constructor's arguments (in the order they have always been checked) into options."""
         refuse_spawn(start_method)
         if state_dict_type not in STATE_DICT_TYPES:
@@ -162,6 +165,10 @@ class ClappingOptions:
         if liveness is not None and (not isinstance(liveness, timedelta) or liveness.total_seconds() < 0.4):
             raise ValueError(f"liveness must be a datetime.timedelta of at least 0.4 s (e.g. timedelta(seconds=30)) or "
                              f"None to turn the watchdog off, got {liveness!r}")
+        if recheck_every is not None and (not isinstance(recheck_every, int) or isinstance(recheck_every, bool)
+                                          or recheck_every < 1):
+            raise ValueError(f"recheck_every must be a positive number of training steps, or None to compare the "
+                             f"stages' recomputed values at the first step only; got {recheck_every!r}")
         tied = _check_tied_codec(tied_codec)
         fault_tolerance = resolve_fault_tolerance(fault_tolerance)
         if fault_tolerance is not None and ddp_comm_hook is not None:
@@ -178,7 +185,7 @@ class ClappingOptions:
             process_group_backend=process_group_backend, timeout=timeout, liveness=liveness,
             prepost_receives=prepost_receives, log_bytes=log_bytes, state_dict_type=state_dict_type,
             activation_checkpointing=policy, tied_codec=tied, pretrained=_check_pretrained(pretrained),
-            fault_tolerance=fault_tolerance,
+            fault_tolerance=fault_tolerance, recheck_every=recheck_every,
         )
 
     def num_stages(self, num_ranks: int) -> int:

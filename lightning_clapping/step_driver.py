@@ -114,7 +114,8 @@ class StepDriver:
         with self._reported(), self.precision_plugin.train_step_context(), self._settling_shared_owners():
             if self.ties is not None:
                 self.ties.sync_copies(module)  # once: every copy of a tied tensor starts from the same values
-            outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results)
+            check = trainer.global_step if self.executor.recheck.due(trainer.global_step) else None
+            outputs, stats = self.executor.train_step(microbatches, step, weights, ctx, seed, results, check)
         loss = self._finish_step(outputs, sizes, stats, fingerprint, info, optimizers)
         if self.executor.is_last and isinstance(outputs[-1], dict):
             return {**merge_outputs(outputs, sizes), "loss": loss}

@@ -115,6 +115,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         sample_store_dtype: dtype of AQ-SGD's per-sample buffers (it keeps them in fp16).
         freeze_rng: seed each micro-batch's forward from the batch's identity, so dropout masks repeat while a
             batch is reused (lazy sampling) and differ between batches.
+        recheck_every: the stages compare the values they recompute instead of receiving again every this many
+            training steps (default 100; ``None``: at the first step of each kind only). See README.
         log_bytes: log per step the bytes each boundary sent per direction (``clapping/b{m}_fwd_bytes``,
             ``clapping/b{m}_bwd_bytes``, ``clapping/bytes``), the compression ratio against fp32 (``clapping/ratio``,
             also on the progress bar), the relative norm of the compressed differences (``clapping/fwd_rel_diff``,
@@ -169,6 +171,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen", fault_tolerance: Any = None,
         activation_checkpointing: Any = None, tied_codec: Any = None, pretrained: Any = None,
+        recheck_every: int | None = 100,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -182,6 +185,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             timeout=timeout, liveness=liveness, prepost_receives=prepost_receives, log_bytes=log_bytes,
             state_dict_type=state_dict_type, start_method=start_method, fault_tolerance=fault_tolerance,
             activation_checkpointing=activation_checkpointing, tied_codec=tied_codec, pretrained=pretrained,
+            recheck_every=recheck_every,
         )
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -376,7 +380,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         self.executor = PipelineExecutor(self.runner, placement, self.make_rule, schedule=self.schedule,
                                          timeout=self.options.timeout, step_results=True,
                                          prepost=self._process_group_backend == "gloo" if prepost is None else prepost,
-                                         rng_handoff=not self.options.freeze_rng)
+                                         rng_handoff=not self.options.freeze_rng,
+                                         recheck_every=self.options.recheck_every)
         self._byte_stats = ByteStats(placement, self.options.lazy_messages is not None)
         self._steps = StepDriver(module, self.options, placement, self.partition, self.runner, self.executor,
                                  self.precision_plugin, self._byte_stats, self._tuning)

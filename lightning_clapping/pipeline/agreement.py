@@ -12,8 +12,14 @@ values: every stage runs its micro-batch 0 once without sending (stage 0 too, fo
 (:func:`summary`) every recomputed value its own code uses after its entry; the stage whose part of the code makes the
 value for real compares it with its own (:func:`check`). A mismatch stops the run on every stage with the operation,
 its position in the step and the two stages named. Cost: stage 0's extra forward of one micro-batch and two small
-all-gathers, once per kind of step; nothing on later steps. A value that agrees on the first step and drifts later
-(state one stage changes after it) is not caught.
+all-gathers, once per kind of step.
+
+**Again every N training steps** (:class:`Recheck`, ``recheck_every``, default 100): on micro-batch 0 of such a step
+every stage summarises the same values as at the first step (a consumer its recomputed ones, their maker its own),
+and one asynchronous all-gather of 6 integers per value carries them; it is read at the next step, where every stage
+reaches the same verdict, so a value that drifts later (state a hook changes on one stage only) stops the run at most
+one step after the check. Cost per check: the summaries (one pass over each compared tensor) and that gather; no
+step waits on it.
 """
 
 from __future__ import annotations
@@ -82,16 +88,17 @@ def _leaf(out: Any, leaf: int) -> Tensor | None:
 
 
 def check(uses: dict[tuple[int, int], tuple[int, Tensor]], own: dict[int, Any], names: dict[int, str], stage: int,
-          exchange: Callable[[Tensor], list[Tensor]]) -> None:
+          exchange: Callable[[Tensor], list[Tensor]]) -> list[tuple[int, int, int, int]]:
     """Collective over the pipeline, after the pass that found the crossing values.
 
     ``uses``: the recomputed values this stage's code used after its entry, (event, leaf) -> (region that makes it,
     the value); ``own``: event -> output of every operation this stage ran inside its part; ``names``: event ->
     operation; ``exchange`` all-gathers an int64 (n, k) tensor whose n may differ between stages."""
     rows = [(e, leaf, region, stage, *summary(t)) for (e, leaf), (region, t) in sorted(uses.items())]
-    wrong = []
+    wrong, keys = [], []
     for block in exchange(torch.tensor(rows, dtype=torch.int64).reshape(-1, 9)):
         for e, leaf, region, consumer, *theirs in block.tolist():
+            keys.append((e, leaf, region, consumer))
             if region != stage or e not in own:
                 continue
             mine = _leaf(own[e], leaf)
@@ -99,16 +106,69 @@ def check(uses: dict[tuple[int, int], tuple[int, Tensor]], own: dict[int, Any], 
                 wrong.append((e, leaf, consumer, stage))
     reports = [r for block in exchange(torch.tensor(wrong, dtype=torch.int64).reshape(-1, 4)) for r in block.tolist()]
     if reports:
-        e, leaf, consumer, origin = min(reports)
-        op = names.get(e, "an operation")
-        raise CrossingError(
-            f"stage {consumer} recomputes the value made by `{op}` at {where(e)} of the step (output {leaf}) from its "
-            f"own copy of the batch, and gets another value than stage {origin}, which computes it for real: the "
-            "stages would train on different values. The value depends on more than the batch and the code: a random "
-            "stream the pipeline does not follow, state that differs between processes (set in a hook that runs on "
-            "one stage only, or read from the rank or the environment), or a non-deterministic kernel. Compute it "
-            "from the batch and the module's parameters and buffers only, or draw it with torch's random functions, "
-            f"whose values the pipeline sends from where they are drawn ({len(reports)} value(s) differ).")
+        raise _mismatch(reports, names, "")
+    return sorted(keys)
 
 
-__all__ = ["agree", "check", "summary"]
+def _mismatch(reports: list, names: dict[int, str], when: str) -> CrossingError:
+    e, leaf, consumer, origin = min(reports)
+    op = names.get(e, "an operation")
+    return CrossingError(
+        f"stage {consumer} recomputes the value made by `{op}` at {where(e)} of the step (output {leaf}) from its "
+        f"own copy of the batch, and gets another value than stage {origin}, which computes it for real: the "
+        "stages would train on different values. The value depends on more than the batch and the code: a random "
+        "stream the pipeline does not follow, state that differs between processes (set in a hook that runs on "
+        "one stage only, or read from the rank or the environment), or a non-deterministic kernel. Compute it "
+        "from the batch and the module's parameters and buffers only, or draw it with torch's random functions, "
+        f"whose values the pipeline sends from where they are drawn ({len(reports)} value(s) differ{when}).")
+
+
+class Recheck:
+    """The guard again every ``every`` training steps (see the module docstring), over the values the first training
+    step compared (``keys``: event, output, the stage that makes it, the stage that recomputes it)."""
+
+    def __init__(self, stage: int, every: int | None) -> None:
+        self.stage, self.every = stage, every
+        self.keys: list[tuple[int, int, int, int]] = []
+        self._rows: Tensor | None = None
+        self._pending: tuple[Any, list[Tensor], dict[int, str], int] | None = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and bool(self.keys) and step > 0 and step % int(self.every) == 0
+
+    def summarise(self, uses: dict[tuple[int, int], tuple[int, Tensor]], own: dict[int, Any]) -> None:
+        """After micro-batch 0 of a due step: this stage's summary of each key it recomputes or makes."""
+        rows = torch.zeros((len(self.keys), 6), dtype=torch.int64)
+        for i, (e, leaf, region, consumer) in enumerate(self.keys):
+            value = uses.get((e, leaf), (0, None))[1] if consumer == self.stage else \
+                _leaf(own[e], leaf) if region == self.stage and e in own else None
+            if value is not None:
+                rows[i] = torch.tensor((1, *summary(value)), dtype=torch.int64)
+        self._rows = rows
+
+    def start(self, group: Any, num_stages: int, device: torch.device, names: dict[int, str], step: int) -> None:
+        """At the end of the due step: the asynchronous all-gather of every stage's summaries over ``group``."""
+        mine = (self._rows if self._rows is not None else torch.zeros((len(self.keys), 6), dtype=torch.int64))
+        mine = mine.to(device)
+        gathered = [torch.zeros_like(mine) for _ in range(num_stages)]
+        work = torch.distributed.all_gather(gathered, mine, group=group, async_op=True)
+        self._pending, self._rows = (work, gathered, dict(names), step), None
+
+    def finish(self, block_of_stage: Callable[[int], int]) -> None:
+        """At the next step: wait for the gather (every stage started it) and compare; every stage raises alike."""
+        if self._pending is None:
+            return
+        work, gathered, names, step = self._pending
+        self._pending = None
+        work.wait()
+        blocks = [b.cpu().tolist() for b in gathered]
+        wrong = []
+        for i, (e, leaf, region, consumer) in enumerate(self.keys):
+            theirs, mine = blocks[block_of_stage(consumer)][i], blocks[block_of_stage(region)][i]
+            if theirs[0] and mine[0] and not agree(tuple(mine[1:]), tuple(theirs[1:])):
+                wrong.append((e, leaf, consumer, region))
+        if wrong:
+            raise _mismatch(wrong, names, f", at the check of step {step}; they agreed at the first step")
+
+
+__all__ = ["Recheck", "agree", "check", "summary"]

@@ -49,7 +49,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode, resolve_name
 
@@ -135,6 +134,7 @@ class Crossings:
         self.plans: dict[str, Plan] = {}
         self.plan: Plan | None = None
         self.discovering = False
+        self.recording = False  # discovering, or a step the guard checks again (pipeline/agreement)
         self.active = False
         self.inside = False
         self._serial = 0
@@ -165,10 +165,12 @@ class Crossings:
         self._make = self.plan.made_on(self.stage) if self.plan is not None else {}
 
     # ------------------------------------------------------------------ per micro-batch
-    def begin(self, kind: str, discovering: bool) -> None:
+    def begin(self, kind: str, discovering: bool, checking: bool = False) -> None:
+        """Start following a micro-batch; ``checking``: record what the guard compares, as when discovering."""
         self._serial += 1
         self.plan = None if discovering else self.plans.get(kind)
         self.discovering = discovering
+        self.recording = discovering or checking
         self._reset()
         self.inside = self.stage == 0
         self.active = True
@@ -240,7 +242,7 @@ class Crossings:
                 tag = self.origin_of(x)
                 if tag is not None:
                     leaves[i], found = self._real(tag, x, where), True
-                elif self.discovering:
+                elif self.recording:
                     made = getattr(x, _RECOMPUTED, None)
                     if made is not None and made[0] == self._serial:
                         self.recomputed[(made[1], made[2])] = (made[3], x)
@@ -417,11 +419,11 @@ class Crossings:
             self.free_depth -= 1
         if self.inside:
             self._keep(event, out, name)
-            if self.discovering:
+            if self.recording:
                 self.own[event] = out
         else:
             self._tag(out, event, tainted_only=True)
-            if self.discovering:
+            if self.recording:
                 self._mark_recomputed(out, event)
         return out
 
@@ -461,7 +463,7 @@ class _Mode(TorchFunctionMode):
                 value = _written(name, args, out)
                 event = c._next_event(name)
                 c._keep(event, value, name)
-                if c.discovering:
+                if c.recording:
                     c.own[event] = value
             if c.discovering and (seen := coupling.record(name, args, kwargs, out)) is not None:
                 c.coupled.append(seen)
@@ -483,7 +485,7 @@ class _Mode(TorchFunctionMode):
                 setattr(args[0], _ATTR, (c._serial, event, 0, c.region))
                 if args[0]._base is not None:  # a write through a view changes its base too (output 1)
                     setattr(args[0]._base, _ATTR, (c._serial, event, 1, c.region))
-        elif c.discovering and event >= 0:
+        elif c.recording and event >= 0:
             c._mark_recomputed(out, event)
         return out
 

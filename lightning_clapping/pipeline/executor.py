@@ -81,6 +81,7 @@ class PipelineExecutor:
         timeout: timedelta | None = None,
         step_results: bool = False,
         rng_handoff: bool = False,
+        recheck_every: int | None = None,
     ) -> None:
         if (runner.stage, runner.num_stages) != (placement.stage, placement.num_stages):
             raise ValueError(f"the runner holds stage {runner.stage} of {runner.num_stages}, but the placement puts "
@@ -101,6 +102,8 @@ class PipelineExecutor:
         self.first_step = True
         self.prepost = prepost
         self.handoff = Handoff(device, placement.stage, rng_handoff and placement.num_stages > 1)
+        #: the guard's checks after the first step (pipeline/agreement): every ``recheck_every`` training steps
+        self.recheck = agreement.Recheck(placement.stage, recheck_every)
         if prepost and not _matches_by_tag(group, device):
             raise ValueError(
                 "prepost_receives=True posts a step's receives ahead and needs a backend that matches messages by "
@@ -164,10 +167,18 @@ class PipelineExecutor:
         plan = Plan(gather_needs(needs, self._all_gather_rows), self.num_stages)
         crossings = self.runner.crossings
         assert crossings is not None
-        agreement.check(crossings.recomputed, crossings.own, crossings.names, self.stage, self._all_gather_rows)
+        keys = agreement.check(crossings.recomputed, crossings.own, crossings.names, self.stage,
+                               self._all_gather_rows)
+        if kind == "train":
+            self.recheck.keys = keys
         crossings.recomputed, crossings.own = {}, {}
         crossings.plans[kind] = plan
         return plan
+
+    def _block_of_stage(self, stage: int) -> int:
+        """The index of ``stage``'s block in an all-gather over the pipeline group (its rank in the group)."""
+        group = self.placement.pp_group
+        return dist.get_group_rank(group or dist.group.WORLD, self.placement.rank_of_stage(stage))
 
     def _all_gather_rows(self, rows: Tensor) -> list[Tensor]:
         """All-gather an int64 (n, k) tensor over the pipeline, ``n`` differing between stages."""
@@ -191,6 +202,7 @@ class PipelineExecutor:
         ctx: StepContext | None = None,
         rng_seed: Callable[[int], int] | None = None,
         results: Callable[[list[Any]], bytes] | None = None,
+        check: int | None = None,
     ) -> tuple[list[Any], StepStats]:
         """Forward and backward every micro-batch. Returns the last stage's step outputs (else []) and the stats.
 
@@ -199,8 +211,11 @@ class PipelineExecutor:
         ``rng_seed(index)``, when given, seeds torch's RNG for that micro-batch's forward (frozen dropout masks).
         ``results(outputs)``: on the last stage with ``step_results``, called once every micro-batch's step has run,
         with their outputs in order; it returns the bytes every stage finds in :attr:`results` afterwards.
+        ``check``: the training step's number when the guard compares the stages' recomputed values of micro-batch 0
+        again (:attr:`recheck`), else None.
         """
         ctx = ctx or StepContext()
+        self.recheck.finish(self._block_of_stage)  # the last check's verdict (its gather ran during that step)
         n = len(microbatches)
         schedule = self.schedule_fn(self.num_stages, n)
         plan = schedule[self.stage]
@@ -224,7 +239,9 @@ class PipelineExecutor:
                 received: list[Tensor] = []
                 seed = rng_seed(j) if rng_seed is not None else None
                 out = self._forward(microbatches[j], j, step_fn, self.fwd_in, "fwd_in", ctx, received, seed,
-                                    "train")
+                                    "train", check is not None and j == 0)
+                if check is not None and j == 0 and self.runner.crossings is not None:
+                    self.recheck.summarise(self.runner.crossings.recomputed, self.runner.crossings.own)
                 if self.is_last:
                     loss = _loss_of(out)
                     if self.first_step:
@@ -265,6 +282,9 @@ class PipelineExecutor:
         self.first_step = False
         if not self.is_last:
             self.results = self.handoff.take_last_stage(self.results)
+        if check is not None and self.runner.crossings is not None:
+            self.recheck.start(self.placement.pp_group, self.num_stages, self.device, self.runner.crossings.names,
+                               check)
         stats.compute_s = self._compute_s
         self._collect(stats)
         return [outputs[j] for j in sorted(outputs)], stats
@@ -296,7 +316,7 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ pieces
     def _forward(self, mb: Any, j: int, step_fn, chan: PeerChannel | None, rule_name: str, ctx: StepContext,
-                 received: list[Tensor] | None, seed: int | None, kind: str):
+                 received: list[Tensor] | None, seed: int | None, kind: str, checking: bool = False):
         def provide() -> list[Tensor]:
             assert chan is not None
             t0 = time.perf_counter()
@@ -322,7 +342,7 @@ class PipelineExecutor:
         rng = frozen_rng(seed, self.device) if seed is not None else nullcontext()
         start = time.perf_counter()
         try:
-            with rng, self.runner.microbatch(provide if chan is not None else None, kind):
+            with rng, self.runner.microbatch(provide if chan is not None else None, kind, checking=checking):
                 try:
                     out = step_fn(mb, j)
                 except StageExit:
