@@ -235,3 +235,28 @@ def test_a_mean_teacher_updated_from_the_whole_student_in_a_hook_is_refused_nami
     named = [e for e in run.errors() if "on_train_batch_end uses 'net.0.weight'" in e or
              "on_train_batch_end uses 'teacher.0.weight'" in e]
     assert named and all("held by stage" in e for e in named), run.failure()
+
+
+def test_a_value_that_drifts_apart_on_two_stages_after_the_first_step_is_stopped_at_the_next_check(tmp_path):
+    """An epoch-end hook (last stage only) changes a scale used on both sides of the cut: the first step agrees, the
+    check every recheck_every=2 steps finds it at step 4 (the second epoch) and stops every stage at the next step."""
+    run = run_case("drift", tmp_path)
+    assert not run.pipe_ok and not run.timed_out, run.failure()
+    named = [e for e in run.errors() if "at the check of step 4; they agreed at the first step" in e
+             and "recomputes the value made by" in e]
+    assert len(named) == 2, run.failure()  # both stages stop with the same verdict
+    assert all(len(row["losses"]) == 5 for row in run.rows.values())  # steps 0-4 trained, step 5 did not
+
+
+# ------------------------------------------------------------------------------------------ model structure
+def test_a_masked_autoencoder_with_random_masking_and_block_lists_trains_as_in_one_process(tmp_path):
+    assert_same_weights(run_case("mae", tmp_path))
+
+
+def test_checkpoint_around_blocks_in_the_parents_loop_trains_as_in_one_process(tmp_path):
+    assert_same_weights(run_case("checkpoint_loop", tmp_path))
+
+
+def test_a_gumbel_softmax_vae_with_a_value_checking_loss_trains_as_in_one_process(tmp_path):
+    """binary_cross_entropy refuses inputs outside [0, 1]: the first-step pass must not hand it NaN placeholders."""
+    assert_same_weights(run_case("gumbel_vae", tmp_path))

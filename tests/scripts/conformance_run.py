@@ -33,6 +33,13 @@ writes:           the step writes the backbone's features into buffers it made, 
                   and one through a view (``b[:, 2:].copy_(...)``), and uses both in the loss after the cut.
 rank_dependent:   a value before the cut computed from the process's rank (state that differs between processes,
                   which the tracker cannot see): the run-time guard must stop it at the first step.
+drift:            a scale used before and after the cut, which an epoch-end hook changes on the last stage only
+                  (with recheck_every=2, the guard's check at step 4 stops it).
+mae:              a masked autoencoder (MAE's reference code): random masking in the encoder, blocks in ModuleLists run
+                  in the parent's loops, cut between encoder and decoder.
+gumbel_vae:       a categorical VAE as tutorials write it: ``F.gumbel_softmax`` between encoder and decoder, a sigmoid
+                  decoder and ``binary_cross_entropy``, which checks that its input lies in [0, 1].
+checkpoint_loop:  ``torch.utils.checkpoint(blk, x, use_reentrant=False)`` around each block in the parent's loop.
 mean_teacher:     a mean teacher: a copy of the network updated as the student's moving average in
                   ``on_train_batch_end`` (the teacher's layers live on a later stage than most of the student's).
 opt:              Hugging Face OPT built from a config, cut between its decoder layers: ``final_layer_norm`` is
@@ -59,6 +66,7 @@ import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_clapping
@@ -314,6 +322,155 @@ class RankDependent(DANN):
         return loss
 
 
+class Drift(DANN):
+    """A scale kept as a plain tensor attribute, used before the cut (on the input) and after it (in the loss), and
+    changed in ``on_train_epoch_end``, a hook that runs on the last stage only: from the second epoch on, the stages
+    compute with different scales."""
+
+    def __init__(self, total_steps: int = 5):
+        super().__init__(total_steps)
+        self.scale = torch.ones(())
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        weights = self.scale.expand(x.shape[0]).clone()
+        features = self.backbone(x * self.scale)
+        return (F.cross_entropy(self.classifier(features), y, reduction="none") * weights).mean()
+
+    def on_train_epoch_end(self):
+        self.scale.mul_(0.5)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class MAE(_SGD):
+    """A masked autoencoder as MAE's reference code writes it: random masking inside the encoder's method, encoder
+    and decoder blocks in ModuleLists run in the parent's loops, the loss on the masked patches."""
+
+    def __init__(self, patch_dim=12, L_=16, d=16, dd=8, depth=2, ddepth=2, mask_ratio=0.75):
+        super().__init__()
+        self.mask_ratio = mask_ratio
+        self.patch_embed = nn.Linear(patch_dim, d)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.randn(1, L_ + 1, d) * 0.02, requires_grad=False)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(depth)])
+        self.norm = nn.LayerNorm(d)
+        self.decoder_embed = nn.Linear(d, dd)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
+        self.decoder_pos_embed = nn.Parameter(torch.randn(1, L_ + 1, dd) * 0.02, requires_grad=False)
+        self.decoder_blocks = nn.ModuleList([Block(dd) for _ in range(ddepth)])
+        self.decoder_norm = nn.LayerNorm(dd)
+        self.decoder_pred = nn.Linear(dd, patch_dim)
+        torch.nn.init.normal_(self.cls_token, std=0.02)
+        torch.nn.init.normal_(self.mask_token, std=0.02)
+
+    def random_masking(self, x, mask_ratio):
+        N, L_, D = x.shape
+        len_keep = int(L_ * (1 - mask_ratio))
+        noise = torch.rand(N, L_, device=x.device)
+        ids_shuffle = torch.argsort(noise, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :len_keep]
+        x_masked = torch.gather(x, dim=1, index=ids_keep.unsqueeze(-1).repeat(1, 1, D))
+        mask = torch.ones([N, L_], device=x.device)
+        mask[:, :len_keep] = 0
+        mask = torch.gather(mask, dim=1, index=ids_restore)
+        return x_masked, mask, ids_restore
+
+    def forward_encoder(self, x, mask_ratio):
+        x = self.patch_embed(x)
+        x = x + self.pos_embed[:, 1:, :]
+        x, mask, ids_restore = self.random_masking(x, mask_ratio)
+        cls_token = self.cls_token + self.pos_embed[:, :1, :]
+        cls_tokens = cls_token.expand(x.shape[0], -1, -1)
+        x = torch.cat((cls_tokens, x), dim=1)
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.norm(x)
+        return x, mask, ids_restore
+
+    def forward_decoder(self, x, ids_restore):
+        x = self.decoder_embed(x)
+        mask_tokens = self.mask_token.repeat(x.shape[0], ids_restore.shape[1] + 1 - x.shape[1], 1)
+        x_ = torch.cat([x[:, 1:, :], mask_tokens], dim=1)
+        x_ = torch.gather(x_, dim=1, index=ids_restore.unsqueeze(-1).repeat(1, 1, x.shape[2]))
+        x = torch.cat([x[:, :1, :], x_], dim=1)
+        x = x + self.decoder_pos_embed
+        for blk in self.decoder_blocks:
+            x = blk(x)
+        x = self.decoder_norm(x)
+        x = self.decoder_pred(x)
+        return x[:, 1:, :]
+
+    def forward_loss(self, target, pred, mask):
+        loss = ((pred - target) ** 2).mean(dim=-1)
+        return (loss * mask).sum() / mask.sum()
+
+    def forward(self, imgs):
+        latent, mask, ids_restore = self.forward_encoder(imgs, self.mask_ratio)
+        pred = self.forward_decoder(latent, ids_restore)
+        loss = self.forward_loss(imgs, pred, mask)
+        return loss, pred, mask
+
+    def training_step(self, batch, batch_idx):
+        loss, _, _ = self(batch[0])
+        return loss
+
+
+class CatVAE(_SGD):
+    """The categorical VAE as tutorials write it: view to (B, latent, categories), gumbel over the last dim, KL."""
+
+    def __init__(self, d=16, latent=4, cats=5):
+        super().__init__()
+        self.latent, self.cats = latent, cats
+        self.encoder = nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, latent * cats))
+        self.decoder = nn.Sequential(nn.Linear(latent * cats, 32), nn.ReLU(), nn.Linear(32, d), nn.Sigmoid())
+
+    def forward(self, x):
+        q = self.encoder(x.view(-1, 16))
+        q_y = q.view(q.size(0), self.latent, self.cats)
+        z = F.gumbel_softmax(q_y, tau=max(0.5, math.exp(-1e-3 * self.global_step)), hard=True)
+        return self.decoder(z.view(-1, self.latent * self.cats)), F.softmax(q_y, dim=-1).reshape(*q.size())
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        recon, qy = self(x)
+        bce = F.binary_cross_entropy(recon, x, reduction="sum") / x.shape[0]
+        log_ratio = torch.log(qy * self.cats + 1e-20)
+        kld = torch.sum(qy * log_ratio, dim=-1).mean()
+        loss = bce + kld
+        self.log("loss", loss)
+        return loss
+
+
+class CheckpointedLoop(_SGD):
+    """``torch.utils.checkpoint`` around each block, in the parent's loop."""
+
+    def __init__(self, d=16, depth=4):
+        super().__init__()
+        self.inp = nn.Linear(16, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(depth)])
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False)
+        return self.out(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
 class MeanTeacher(MLP):
     """A mean teacher: a copy of the network, updated in ``on_train_batch_end`` as an exponential moving average of
     the student's weights, and a consistency loss between the two."""
@@ -378,8 +535,13 @@ SPLITS = {
     "ddpm_frozen": ["net.2"],
     "opt": ["model.model.decoder.layers.1"],
     "mean_teacher": ["net.2"],
+    "drift": ["classifier"],
+    "mae": ["decoder_embed"],
+    "checkpoint_loop": ["blocks.2"],
+    "gumbel_vae": ["decoder"],
     "opt_reordered": ["model.model.decoder.layers.1"],
 }
+STRATEGY = {"drift": {"recheck_every": 2}}  # the strategy's arguments a case sets besides the common ones
 EPOCHS = 2  # the loader is iterated anew between them (in one process it draws its workers' seed from the RNG)
 STEPS_PER_EPOCH = 3
 
@@ -402,14 +564,21 @@ def build(case: str) -> tuple[L.LightningModule, DataLoader, list[L.Callback]]:
         model, data = DropoutParent(), _classification(n)
     elif case == "stochastic_depth":
         model, data = StochasticDepth(), _classification(n)
-    elif case in ("grad_reverse", "hashing", "writes", "rank_dependent"):
+    elif case in ("grad_reverse", "hashing", "writes", "rank_dependent", "drift"):
         x, y = _classification(n)
         domain = torch.randint(0, 2, (n,), generator=_generator(2))
-        kind = {"grad_reverse": DANN, "hashing": Hashing, "writes": Writes, "rank_dependent": RankDependent}[case]
+        kind = {"grad_reverse": DANN, "hashing": Hashing, "writes": Writes, "rank_dependent": RankDependent,
+                "drift": Drift}[case]
         model, data = kind(total_steps=EPOCHS * STEPS_PER_EPOCH), (x, y, domain)
     elif case in ("opt", "opt_reordered"):
         model = OPT(reordered=case == "opt_reordered")
         data = (torch.randint(0, 64, (n, 12), generator=_generator(1)),)
+    elif case == "mae":
+        model, data = MAE(), (torch.randn(n, 16, 12, generator=_generator(1)),)
+    elif case == "gumbel_vae":
+        model, data = CatVAE(), (torch.rand(n, 16, generator=_generator(1)),)
+    elif case == "checkpoint_loop":
+        model, data = CheckpointedLoop(), _classification(n)
     elif case == "mean_teacher":
         model, data = MeanTeacher(), _classification(n)
     elif case == "swa":
@@ -456,7 +625,7 @@ def main(out: Path, case: str, mode: str) -> None:
         model, loader, callbacks = build(case)
         if mode == "pipe":
             strategy = lightning_clapping.ClappingStrategy(split_points=SPLITS[case], microbatches=1,
-                                                           freeze_rng=False,
+                                                           freeze_rng=False, **STRATEGY.get(case, {}),
                                                            timeout=timedelta(seconds=60))  # a hang fails in time
             devices = 2
         elif mode == "single":
