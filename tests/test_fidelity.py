@@ -87,6 +87,7 @@ def test_epoch_end_hooks_on_collected_step_outputs_log_as_in_one_process_and_eve
     ({"liveness": 30}, "liveness must be a datetime.timedelta"),
     ({"forward_codec": {-1: "q4"}}, "forward_codec: keys are boundary indices"),
     ({"backward_codec": {0: "q99"}}, "q99"),
+    ({"recheck_every": 0}, "recheck_every must be a positive number of training steps, or None"),
 ])
 def test_arguments_are_checked_when_the_strategy_is_built(kwargs, match):
     import lightning_clapping

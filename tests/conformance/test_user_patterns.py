@@ -260,3 +260,16 @@ def test_checkpoint_around_blocks_in_the_parents_loop_trains_as_in_one_process(t
 def test_a_gumbel_softmax_vae_with_a_value_checking_loss_trains_as_in_one_process(tmp_path):
     """binary_cross_entropy refuses inputs outside [0, 1]: the first-step pass must not hand it NaN placeholders."""
     assert_same_weights(run_case("gumbel_vae", tmp_path))
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_every_weight_averaging_callback_of_both_lightnings_is_refused_on_several_stages_only(namespace):
+    import importlib
+
+    from lightning_clapping.stage_setup import refuse_weight_averaging
+
+    callbacks = importlib.import_module(f"{namespace}.callbacks")
+    for made in (callbacks.StochasticWeightAveraging(swa_lrs=0.1), callbacks.EMAWeightAveraging()):
+        with pytest.raises(ValueError, match=rf"{type(made).__name__} cannot run under ClappingStrategy with 2 stages"):
+            refuse_weight_averaging([made], 2)
+        refuse_weight_averaging([made], 1)  # one stage holds the whole model: nothing to refuse
