@@ -175,6 +175,10 @@ def test_a_straight_through_sign_function_saving_its_input_trains_as_in_one_proc
     assert_same_weights(run_case("hashing", tmp_path))
 
 
+def test_hugging_face_bert_masked_as_its_data_collator_masks_with_dropout_on_trains_as_in_one_process(tmp_path):
+    assert_same_weights(run_case("hf_bert_mlm", tmp_path))
+
+
 def test_bert_masking_with_frozen_seeds_and_micro_batches_trains_as_the_same_strategy_on_one_device(tmp_path):
     assert_same_weights(run_case("mlm", tmp_path, "pipe_frozen", "single_frozen"))
 

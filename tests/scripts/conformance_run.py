@@ -42,6 +42,8 @@ gumbel_vae:       a categorical VAE as tutorials write it: ``F.gumbel_softmax`` 
 checkpoint_loop:  ``torch.utils.checkpoint(blk, x, use_reentrant=False)`` around each block in the parent's loop.
 mean_teacher:     a mean teacher: a copy of the network updated as the student's moving average in
                   ``on_train_batch_end`` (the teacher's layers live on a later stage than most of the student's).
+hf_bert_mlm:      Hugging Face BERT for masked LM (dropout on, decoder tied to the embeddings), masked in the step as
+                  transformers' DataCollatorForLanguageModeling does (bernoulli draws, random replacement tokens).
 opt:              Hugging Face OPT built from a config, cut between its decoder layers: ``final_layer_norm`` is
                   registered before the layers and called after them (refused with what to do);
 opt_reordered:    the same after doing what the refusal says (``final_layer_norm`` registered again after the layers).
@@ -496,6 +498,35 @@ class MeanTeacher(MLP):
                 t.mul_(0.9).add_(s, alpha=0.1)
 
 
+class BertMLM(_SGD):
+    """Hugging Face BERT for masked LM from a config, dropout on, masked in ``training_step`` as transformers'
+    DataCollatorForLanguageModeling masks: 15 % of the tokens, 80 % of those replaced by [MASK], 10 % by a random
+    token (its decoder is tied to the word embeddings, on the other stage)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.1,
+                            attention_probs_dropout_prob=0.1)
+        self.model = BertForMaskedLM(config)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        labels = ids.clone()
+        masked = torch.bernoulli(torch.full(labels.shape, 0.15)).bool()
+        labels[~masked] = -100
+        replaced = torch.bernoulli(torch.full(labels.shape, 0.8)).bool() & masked
+        ids = ids.clone()
+        ids[replaced] = 3  # [MASK]
+        randomized = torch.bernoulli(torch.full(labels.shape, 0.5)).bool() & masked & ~replaced
+        ids[randomized] = torch.randint(40, labels.shape)[randomized]
+        loss = self.model(input_ids=ids, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+
 class OPT(_SGD):
     """Hugging Face OPT from a config: its decoder registers ``final_layer_norm`` before ``layers`` and calls it after
     them. ``reordered``: what the refusal says to do, registering it again after the layers."""
@@ -534,6 +565,7 @@ SPLITS = {
     "rank_dependent": ["classifier"],
     "ddpm_frozen": ["net.2"],
     "opt": ["model.model.decoder.layers.1"],
+    "hf_bert_mlm": ["model.bert.encoder.layer.1"],
     "mean_teacher": ["net.2"],
     "drift": ["classifier"],
     "mae": ["decoder_embed"],
@@ -570,6 +602,8 @@ def build(case: str) -> tuple[L.LightningModule, DataLoader, list[L.Callback]]:
         kind = {"grad_reverse": DANN, "hashing": Hashing, "writes": Writes, "rank_dependent": RankDependent,
                 "drift": Drift}[case]
         model, data = kind(total_steps=EPOCHS * STEPS_PER_EPOCH), (x, y, domain)
+    elif case == "hf_bert_mlm":
+        model, data = BertMLM(), (torch.randint(5, 40, (n, 12), generator=_generator(1)),)
     elif case in ("opt", "opt_reordered"):
         model = OPT(reordered=case == "opt_reordered")
         data = (torch.randint(0, 64, (n, 12), generator=_generator(1)),)
