@@ -131,6 +131,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         activation_checkpointing: recompute activations in backward instead of keeping them, per stage: ``True`` for
             the model's blocks, or a set of module classes (see :mod:`lightning_clapping.pipeline.recompute`); the
             recompute sees the same dropout masks. ``None`` (default): off.
+        tied_codec: codec of the sum of a tied tensor's gradients across stages (``"q8"``; error feedback), ``None``:
+            fp32. See README "How a model is cut".
         pretrained: a safetensors checkpoint each stage reads its own tensors from once it has materialized them from
             the meta device, or ``{"model": path}`` for a submodule's (``self.model``) keys; see README "Big models".
         fault_tolerance: ``"torchft"`` or a :class:`~lightning_clapping.FaultTolerance`: each replica is a job of

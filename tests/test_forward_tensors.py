@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from conftest import launch_forked
-from lightning_clapping.pipeline import stage as stage_mod
+from lightning_clapping.pipeline import placeholders
 from lightning_clapping.pipeline.partition import build_partition
 from lightning_clapping.pipeline.stage import SplitError, StageRunner
 
@@ -83,7 +83,7 @@ def no_fake_tensors(monkeypatch):
     def no_fakes(*args, **kwargs):
         raise RuntimeError("fake tensors switched off by the test")
 
-    monkeypatch.setattr(stage_mod, "FakeTensorMode", no_fakes)
+    monkeypatch.setattr(placeholders, "FakeTensorMode", no_fakes)
 
 
 # ---------------------------------------------------------------------------------------------------- factory calls
