@@ -128,6 +128,7 @@ class StepDriver:
         if self.averager is not None and last_backward:
             # this stage's last backward is done: average over the replicas while the pipeline drains
             self.averager.start(_stage_params(optimizers))
+            stats.replica_bytes, stats.replica_raw_bytes = self.averager.sent_bytes, self.averager.raw_bytes
         self._tie_sum_due = self.ties is not None and last_backward
         # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
         blob = self.executor.results if self.placement.num_stages > 1 else self._step_results(outputs, sizes, None)

@@ -55,6 +55,18 @@ def test_replicas_train_on_different_data_and_the_stages_of_a_replica_on_the_sam
     assert runs.result("plain", "dp")["world_size"] == 2  # trainer.world_size counts replicas, as under DDP
 
 
+@pytest.mark.parametrize("name", ["plain", "clip_acc"])  # 3 optimizer steps each (clip_acc: of 2 batches)
+def test_what_each_rank_sends_in_the_replicas_average_is_counted_in_the_byte_totals(runs, name):
+    from _models import SequentialMLP
+
+    # every trainable parameter's fp32 gradient and its presence flag, once per optimizer step; a ring all-reduce
+    # over 2 replicas sends 2 (R - 1) / R = 1 times that from each rank
+    per_step = sum((p.numel() + 1) * 4 for p in SequentialMLP().parameters())
+    totals = runs.result(name, "dp")["totals"]
+    assert totals["replica_bytes"] == 3 * per_step
+    assert totals["bytes"] > totals["replica_bytes"] > 0  # the pipeline's messages and the average, both counted
+
+
 def test_sync_dist_values_are_averaged_over_the_replicas(runs):
     dp = runs.result("plain", "dp")["losses"]
     assert dp == pytest.approx(runs.result("plain", "single")["losses"], abs=1e-6)
@@ -159,15 +171,18 @@ def _average_worker(rank, port, out):
     averager = GradientAverager(None, replicas=2, bucket_bytes=32)  # several buckets
     averager.start(params)
     averager.finish()
-    out.put((rank, [p.grad.tolist() for p in params]))
+    out.put((rank, [p.grad.tolist() for p in params], averager.sent_bytes))
     dist.destroy_process_group()
 
 
 def test_gradient_averager_averages_every_bucket_over_the_replicas():
     items, codes = run_gloo_ranks(_average_worker, expected=2)
     assert codes == [0, 0]
-    for _, grads in items:
+    for _, grads, sent in items:
         assert grads == [[5.0] * 5, [6.0] * 7, [7.0] * 3]
+        # buckets of 5 and 7 fp32 values, then 3 fp64 ones with the 3 presence flags; a ring all-reduce over 2
+        # replicas sends 2 (R - 1) / R = 1 times each bucket from every rank
+        assert sent == 5 * 4 + 7 * 4 + (3 + 3) * 8
 
 
 def _hook_worker(rank, port, out):
@@ -190,14 +205,15 @@ def _hook_worker(rank, port, out):
     averager = GradientAverager(None, replicas=2, bucket_bytes=24, comm_hook=hook)
     averager.start(params)
     averager.finish()
-    out.put((rank, sent, params[0].grad[0, 0].item(), params[1].grad.tolist()))
+    out.put((rank, sent, params[0].grad[0, 0].item(), params[1].grad.tolist(), averager.sent_bytes))
     dist.destroy_process_group()
 
 
 def test_a_ddp_communication_hook_averages_the_replicas_buckets():
     items, codes = run_gloo_ranks(_hook_worker, expected=2)
     assert codes == [0, 0]
-    for _, sent, first, second in items:
+    for _, sent, first, second, counted in items:
+        assert counted == 0  # what a hook sends is the hook's to say: not counted as a plain all-reduce
         # the last bucket ends with the presence flags, one per parameter
         assert sent == [(0, False, [(2, 3)]), (1, True, [(4,), (2,)])]
         exact = 1.0 + (1 + 2 ** -12) / 2

@@ -38,6 +38,11 @@ class GradientAverager:
     ``comm_state`` is the hook's state; ``None`` gives it ``group`` (what the fp16/bf16 hooks take), and a state
     whose ``process_group`` is ``None`` (PowerSGD's default) gets ``group`` there, so the hook reduces over this
     stage's replicas and not over every rank.
+
+    **Bytes.** :attr:`sent_bytes` is what this rank sends in the last :meth:`start`'s average: a ring all-reduce (the
+    algorithm gloo and NCCL use for buffers of this size) sends ``2 (R - 1) / R`` times a bucket's bytes from every
+    rank of ``R`` replicas, flags included; :attr:`raw_bytes` the same in fp32. With a ``comm_hook`` both stay 0: the
+    hook decides what it sends, which this class does not see (:attr:`counted` is then False).
     """
 
     def __init__(self, group: Any, replicas: int, bucket_bytes: int = BUCKET_BYTES, comm_hook: Any = None,
@@ -54,6 +59,8 @@ class GradientAverager:
         self._pending: list[tuple[Any, Tensor, list[Tensor], _Bucket | None]] = []
         self._params: list[torch.nn.Parameter] = []
         self._complete = True  # whether this replica had every gradient (then every flag is set: nothing to read)
+        self.sent_bytes = self.raw_bytes = 0.0
+        self.counted = comm_hook is None
 
     def start(self, params: list[torch.nn.Parameter]) -> None:
         """``params``: every trainable parameter of the stage, in the same order on every replica (those without a
@@ -71,10 +78,14 @@ class GradientAverager:
         # callbacks (PowerSGD) would issue them in a different order on each replica (gloo completes futures on its
         # worker threads) and deadlock; the first overlaps the pipeline's drain, the others run in finish()
         serial = self.comm_hook is not None and dist.get_backend(self.group) == "gloo"
-        first = 0
+        first, self.sent_bytes, self.raw_bytes = 0, 0.0, 0.0
         for index, bucket_grads in enumerate(buckets):
             last = index == len(buckets) - 1
             flat = torch.cat([g.reshape(-1) for g in bucket_grads] + ([flags] if last else []))
+            if self.counted:
+                share = 2 * (self.replicas - 1) / self.replicas * flat.numel()
+                self.sent_bytes += share * flat.element_size()
+                self.raw_bytes += share * (4 if flat.is_floating_point() else flat.element_size())  # fp32, as raw
             work, bucket = None, None
             if self.comm_hook is None:
                 work = dist.all_reduce(flat, group=self.group, async_op=True)

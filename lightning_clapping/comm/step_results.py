@@ -11,7 +11,9 @@
   rank started it), after which :attr:`ByteStats.totals` holds the exact sums over every step so far. The sum of
   tied gradients (:mod:`lightning_clapping.comm.ties`) crosses the pipeline too: its bytes, which every stage can
   work out, are passed in as ``tied`` and added to ``bytes`` (and ``raw_bytes``), and shown as ``tied_bytes``.
-  The numbers travel as a float64 tensor on the stage's device (``placement.device``): NCCL carries CUDA tensors
+  What each rank sends in its replicas' gradient average (:class:`~lightning_clapping.comm.replicas.
+  GradientAverager`) is added to ``bytes`` and ``raw_bytes`` too, and shown as ``replica_bytes``: ``bytes`` is
+  everything the replica's ranks send for a step. The numbers travel as a float64 tensor on the stage's device (``placement.device``): NCCL carries CUDA tensors
   only, so a CPU tensor here would fail the first step of a GPU run.
 """
 
@@ -63,7 +65,7 @@ class ByteStats:
         self.lazy_messages = lazy_messages
         self._pending: tuple[Any, list[torch.Tensor], dict[str, float], tuple[float, float] | None] | None = None
         self._ready: dict[str, float] = {}  # values of the last finished gather, not logged yet
-        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "tied_bytes": 0.0,
+        self.totals = {"bytes": 0.0, "raw_bytes": 0.0, "control_bytes": 0.0, "tied_bytes": 0.0, "replica_bytes": 0.0,
                        "crossing_raw_bytes": 0.0,
                        "skipped_messages": 0.0, "fresh_steps": 0.0, "steps": 0}
 
@@ -101,8 +103,11 @@ class ByteStats:
         per_stage = [StepStats.from_list(rows[index(s)]) for s in range(self.num_stages)]
         values = self._values(per_stage, tied)
         self.totals["bytes"] += values["clapping/bytes"]
-        self.totals["raw_bytes"] += sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage) + (tied or (0, 0))[1]
+        replica = sum(st.replica_bytes for st in per_stage)
+        self.totals["raw_bytes"] += (sum(st.fwd_raw_bytes + st.bwd_raw_bytes for st in per_stage)
+                                     + (tied or (0, 0))[1] + sum(st.replica_raw_bytes for st in per_stage))
         self.totals["tied_bytes"] += (tied or (0, 0))[0]
+        self.totals["replica_bytes"] += replica
         self.totals["control_bytes"] += sum(st.control_bytes for st in per_stage)
         self.totals["crossing_raw_bytes"] += sum(st.crossing_raw_bytes for st in per_stage)
         self.totals["skipped_messages"] += sum(st.skipped for st in per_stage)
@@ -120,6 +125,10 @@ class ByteStats:
         if tied is not None:
             values["clapping/tied_bytes"] = tied[0]
             sent, raw = sent + tied[0], raw + tied[1]
+        replica = sum(st.replica_bytes for st in per_stage)
+        if replica:
+            values["clapping/replica_bytes"] = replica
+            sent, raw = sent + replica, raw + sum(st.replica_raw_bytes for st in per_stage)
         values["clapping/bytes"] = sent
         values["clapping/ratio"] = raw / sent if sent else 1.0
         for d in ("fwd", "bwd"):

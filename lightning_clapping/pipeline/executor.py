@@ -49,6 +49,8 @@ class StepStats:
     compute_s: float = 0.0  # forward and backward time on this rank, waits for messages left out
     crossing_raw_bytes: float = 0.0  # the values crossing cuts outside the cut modules' inputs, and their gradients,
     #                                  uncompressed (part of the raw bytes; see pipeline.crossings)
+    replica_bytes: float = 0.0  # what this rank sends in its replicas' gradient average (comm.replicas.GradientAverager)
+    replica_raw_bytes: float = 0.0  # the same in fp32
 
     def as_list(self) -> list[float]:
         return [float(getattr(self, f)) for f in self.__dataclass_fields__]

@@ -88,7 +88,7 @@ def run(mode: str, out: Path, name: str) -> None:
     rank = trainer.global_rank
     result = {"losses": losses.losses, "seen": model.seen, "global_step": trainer.global_step,
               "world_size": trainer.world_size, "bytes": trainer.strategy.byte_totals.get("bytes")
-              if mode == "dp" else None}
+              if mode == "dp" else None, "totals": trainer.strategy.byte_totals if mode == "dp" else None}
     if rank == 0 and strategy_kw.get("state_dict_type") != "sharded":  # a sharded run keeps only its stage
         torch.save(model.state_dict(), out / f"weights_{name}_{mode}.pt")
     (out / f"{name}_{mode}_rank{rank}.json").write_text(json.dumps(result))
