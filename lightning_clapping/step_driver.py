@@ -35,7 +35,8 @@ from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.hooks import EPOCH_END_HOOKS, EpochEndHooks
 from lightning_clapping.log_relay import LogRelay
 from lightning_clapping.options import ClappingOptions
-from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
+from lightning_clapping.comm.step_stats import StepStats
+from lightning_clapping.pipeline.executor import PipelineExecutor
 from lightning_clapping.pipeline import coupling
 from lightning_clapping.pipeline.foreign import GUARDED_HOOKS, ForeignStateGuard
 from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch

@@ -23,7 +23,8 @@ from lightning_clapping.comm import safe_objects
 from lightning_clapping.comm.placement import Placement
 from lightning_clapping.data import find_lazy_loader
 from lightning_clapping.options import ClappingOptions
-from lightning_clapping.pipeline.executor import PipelineExecutor, StepStats
+from lightning_clapping.comm.step_stats import StepStats
+from lightning_clapping.pipeline.executor import PipelineExecutor
 from lightning_clapping.pipeline.schedule import SCHEDULES, get_schedule
 
 TUNE_AFTER_STEPS = 2  # the first step builds the buffers and announces the shapes; the second is a steady one

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from lightning_clapping.comm import results_layout
 from lightning_clapping.comm.placement import Placement
-from lightning_clapping.pipeline.executor import StepStats
+from lightning_clapping.comm.step_stats import StepStats
 
 
 def pack_results(loss: float | None, logs: Any, fingerprint: tuple[int, ...] | None) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +18,7 @@ from lightning_clapping.comm import wire
 from lightning_clapping.comm.channel import PeerChannel, exchange
 from lightning_clapping.comm.p2p import P2PQueue
 from lightning_clapping.comm.placement import Placement
+from lightning_clapping.comm.step_stats import StepStats
 from lightning_clapping.pipeline import agreement, schedule as schedules
 from lightning_clapping.pipeline.crossing_plan import Plan, gather_needs
 from lightning_clapping.pipeline.stage import SplitError, StageExit, StageRunner, check_finite
@@ -32,32 +33,21 @@ RuleFactory = Callable[[int, str, bool], MessageRule]
 
 
 @dataclass
-class StepStats:
-    """What one step sent from this rank (bytes include headers and resize messages)."""
+class _TrainStep:
+    """One training step's inputs (see :meth:`PipelineExecutor.train_step`) and what its actions leave for later ones."""
 
-    fwd_bytes: int = 0
-    bwd_bytes: int = 0
-    fwd_raw_bytes: int = 0  # what the same messages would have taken uncompressed (fp32 for float tensors)
-    bwd_raw_bytes: int = 0
-    fwd_diff_sq: float = 0.0
-    fwd_value_sq: float = 0.0
-    bwd_diff_sq: float = 0.0
-    bwd_value_sq: float = 0.0
-    skipped: int = 0
-    feedback_bytes: int = 0  # error-feedback state held on this rank (both ends of its boundaries)
-    control_bytes: int = 0  # the step results forwarded with the last gradient message (part of bwd_bytes)
-    compute_s: float = 0.0  # forward and backward time on this rank, waits for messages left out
-    crossing_raw_bytes: float = 0.0  # the values crossing cuts outside the cut modules' inputs, and their gradients,
-    #                                  uncompressed (part of the raw bytes; see pipeline.crossings)
-    replica_bytes: float = 0.0  # what this rank sends in its replicas' gradient average (comm.replicas.GradientAverager)
-    replica_raw_bytes: float = 0.0  # the same in fp32
-
-    def as_list(self) -> list[float]:
-        return [float(getattr(self, f)) for f in self.__dataclass_fields__]
-
-    @classmethod
-    def from_list(cls, values: list[float]) -> StepStats:
-        return cls(*values)
+    microbatches: list[Any]
+    step_fn: Callable[[Any, int], Any]
+    loss_weights: list[float]
+    ctx: StepContext
+    rng_seed: Callable[[int], int] | None
+    results: Callable[[list[Any]], bytes] | None
+    check: int | None
+    carry: bool  # the step's results ride on the last gradient message (step_results, several stages)
+    final: int  # the micro-batch whose backward is the chain's last link
+    stats: StepStats = field(default_factory=StepStats)
+    saved: dict[int, tuple[list[Tensor], list[Tensor]]] = field(default_factory=dict)  # backward roots, received
+    outputs: dict[int, Any] = field(default_factory=dict)  # the last stage's step outputs
 
 
 class PipelineExecutor:
@@ -218,68 +208,22 @@ class PipelineExecutor:
         """
         ctx = ctx or StepContext()
         self.recheck.finish(self._block_of_stage)  # the last check's verdict (its gather ran during that step)
-        n = len(microbatches)
-        schedule = self.schedule_fn(self.num_stages, n)
-        plan = schedule[self.stage]
+        schedule = self.schedule_fn(self.num_stages, len(microbatches))
         carry = self.step_results and self.num_stages > 1
         if carry and self.is_last and results is None:
             raise ValueError("step_results=True: the last stage's train_step needs the results callback")
-        final = [a.microbatch for a in plan if a.kind == "B"][-1]  # the same on every stage: the chain's last link
+        final = [a.microbatch for a in schedule[self.stage] if a.kind == "B"][-1]  # the same on every stage
+        step = _TrainStep(microbatches, step_fn, loss_weights, ctx, rng_seed, results, check, carry, final)
         self.results = None
         self._compute_s = 0.0
-        stats = StepStats()
         if self.prepost:
-            self._prepost([(self.fwd_in, "fwd_in"), (self.bwd_in, "bwd_in")], n, ctx)
-        saved: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
-        outputs: dict[int, Any] = {}
+            self._prepost([(self.fwd_in, "fwd_in"), (self.bwd_in, "bwd_in")], len(microbatches), ctx)
+        actions = {"F": self._train_forward, "B": self._train_backward}
         for action in schedules.with_exchanges(schedule)[self.stage]:
             if isinstance(action, schedules.Exchange):
                 self._exchange(action, ctx, training=True)
-                continue
-            j = action.microbatch
-            if action.kind == "F":
-                received: list[Tensor] = []
-                seed = rng_seed(j) if rng_seed is not None else None
-                out = self._forward(microbatches[j], j, step_fn, self.fwd_in, "fwd_in", ctx, received, seed,
-                                    "train", check is not None and j == 0)
-                if check is not None and j == 0 and self.runner.crossings is not None:
-                    self.recheck.summarise(self.runner.crossings.recomputed, self.runner.crossings.own)
-                if self.is_last:
-                    loss = _loss_of(out)
-                    if self.first_step:
-                        check_finite([loss.detach()], f"loss of micro-batch {j} on the last stage", True)
-                    outputs[j] = out
-                    saved[j] = ([loss * loss_weights[j]], received)
-                else:
-                    self._check_output(out, "fwd_out", j)
-                    self._send(self.fwd_out, "fwd_out", j, out, ctx, stats, self.handoff.outgoing(j))
-                    saved[j] = ([t for t in out if t.requires_grad], received)
             else:
-                roots, received = saved.pop(j)
-                grads = None
-                if not self.is_last:
-                    message, blob = self._recv(self.bwd_in, "bwd_in", j, ctx, carry and j == final)
-                    grads = [t for t, _ in message]
-                    if blob is not None:
-                        self.results = blob
-                    if len(grads) != len(roots):
-                        raise SplitError(
-                            f"stage {self.stage} got {len(grads)} gradients for micro-batch {j} but sent "
-                            f"{len(roots)} tensors that require grad"
-                        )
-                if roots:
-                    start = time.perf_counter()
-                    torch.autograd.backward(roots, grads)
-                    self._compute_s += time.perf_counter() - start
-                if not self.is_first:
-                    leaves = [t for t in received if t.requires_grad]
-                    gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
-                    attached = None
-                    if carry and j == final:
-                        if self.is_last:
-                            self.results = results([outputs[i] for i in sorted(outputs)])
-                        attached = self.handoff.with_state(self.results) if self.is_last else self.results
-                    self._send(self.bwd_out, "bwd_out", j, gin, ctx, stats, attached)
+                actions[action.kind](step, action.microbatch)
         self._finish()
         self.first_step = False
         if not self.is_last:
@@ -287,9 +231,58 @@ class PipelineExecutor:
         if check is not None and self.runner.crossings is not None:
             self.recheck.start(self.placement.pp_group, self.num_stages, self.device, self.runner.crossings.names,
                                check)
-        stats.compute_s = self._compute_s
-        self._collect(stats)
-        return [outputs[j] for j in sorted(outputs)], stats
+        step.stats.compute_s = self._compute_s
+        self._collect(step.stats)
+        return [step.outputs[j] for j in sorted(step.outputs)], step.stats
+
+    def _train_forward(self, step: _TrainStep, j: int) -> None:
+        """Action F: micro-batch ``j``'s forward; its output goes to the next stage (the last stage keeps the loss)."""
+        received: list[Tensor] = []
+        seed = step.rng_seed(j) if step.rng_seed is not None else None
+        checking = step.check is not None and j == 0
+        out = self._forward(step.microbatches[j], j, step.step_fn, self.fwd_in, "fwd_in", step.ctx, received, seed,
+                            "train", checking)
+        if checking and self.runner.crossings is not None:
+            self.recheck.summarise(self.runner.crossings.recomputed, self.runner.crossings.own)
+        if self.is_last:
+            loss = _loss_of(out)
+            if self.first_step:
+                check_finite([loss.detach()], f"loss of micro-batch {j} on the last stage", True)
+            step.outputs[j] = out
+            step.saved[j] = ([loss * step.loss_weights[j]], received)
+        else:
+            self._check_output(out, "fwd_out", j)
+            self._send(self.fwd_out, "fwd_out", j, out, step.ctx, step.stats, self.handoff.outgoing(j))
+            step.saved[j] = ([t for t in out if t.requires_grad], received)
+
+    def _train_backward(self, step: _TrainStep, j: int) -> None:
+        """Action B: micro-batch ``j``'s backward from the gradients the next stage sent (from its loss, on the last
+        stage); the gradients of what it received go back. The step's last link carries the step's results."""
+        roots, received = step.saved.pop(j)
+        last_link = step.carry and j == step.final
+        grads = None
+        if not self.is_last:
+            message, blob = self._recv(self.bwd_in, "bwd_in", j, step.ctx, last_link)
+            grads = [t for t, _ in message]
+            if blob is not None:
+                self.results = blob
+            if len(grads) != len(roots):
+                raise SplitError(f"stage {self.stage} got {len(grads)} gradients for micro-batch {j} but sent "
+                                 f"{len(roots)} tensors that require grad")
+        if roots:
+            start = time.perf_counter()
+            torch.autograd.backward(roots, grads)
+            self._compute_s += time.perf_counter() - start
+        if not self.is_first:
+            leaves = [t for t in received if t.requires_grad]
+            gin = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+            attached = None
+            if last_link:
+                if self.is_last:
+                    assert step.results is not None
+                    self.results = step.results([step.outputs[i] for i in sorted(step.outputs)])
+                attached = self.handoff.with_state(self.results) if self.is_last else self.results
+            self._send(self.bwd_out, "bwd_out", j, gin, step.ctx, step.stats, attached)
 
     # ------------------------------------------------------------------ evaluation
     def eval_step(self, microbatches: list[Any], step_fn: Callable[[Any, int], Any],
@@ -417,8 +410,7 @@ class PipelineExecutor:
         if crossing:
             extra = tensors[-crossing:] if direction == "fwd" else crossing
             stats.crossing_raw_bytes += sum(wire.raw_nbytes(t) for t in extra)
-        setattr(stats, f"{direction}_bytes", getattr(stats, f"{direction}_bytes") + chan.bytes_sent - before)
-        setattr(stats, f"{direction}_raw_bytes", getattr(stats, f"{direction}_raw_bytes") + raw)
+        stats.count_sent(direction, chan.bytes_sent - before, raw)
 
     def _recv(self, chan: PeerChannel, rule_name: str, j: int, ctx: StepContext,
               attached: bool = False) -> tuple[list[tuple[Tensor, int]], bytes | None]:
