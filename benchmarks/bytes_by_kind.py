@@ -1,0 +1,97 @@
+"""Everything a replica's ranks send per step, by kind: pipeline messages, the tied gradient sum, the replicas' average.
+
+    python benchmarks/bytes_by_kind.py [--steps 4] [--out benchmarks/results]
+
+A Hugging Face Llama built from its config with tied input embedding and output head and a 32k vocabulary (hidden
+256, 4 layers, batch 8 x 128 tokens), on 2 pipeline stages x 2 replicas (4 processes, Lightning's launcher), trained
+uncompressed and with Clapping-FC q4/q8 (p = 1: every step fresh, so both send the same kinds each step). It reads
+``trainer.strategy.byte_totals`` after ``fit`` and reports, per optimizer step and per replica, the pipeline's
+messages (activations and gradients), the tied sum and the replicas' gradient average, and the ratio of everything
+sent against uncompressed. Saves OUT/bytes_by_kind.json. The byte numbers do not depend on the data (random tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {"uncompressed": {}, "clapping-fc q4/q8": {"variant": "clapping-fc", "forward_codec": "q4",
+                                                     "backward_codec": "q8"}}
+
+
+def worker(variant: str, steps: int, out: str) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_clapping import ClappingStrategy
+
+    class TiedLlama(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                 tie_word_embeddings=True)
+            self.model = LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    L.seed_everything(0)
+    data = TensorDataset(torch.randint(0, 32000, (8 * 2 * steps, 128), generator=torch.Generator().manual_seed(1)))
+    strategy = ClappingStrategy(stages=2, microbatches=2, **VARIANTS[variant])
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TiedLlama(), DataLoader(data, batch_size=8))
+    if trainer.global_rank == 0:
+        Path(out).write_text(json.dumps(trainer.strategy.byte_totals))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], int(args.worker[1]), args.worker[2])
+        return
+    rows = []
+    for variant in VARIANTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "totals.json"
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+            subprocess.run([sys.executable, __file__, "--worker", variant, str(args.steps), str(path)], cwd=tmp,
+                           env=env, check=True, timeout=1800)
+            totals = json.loads(path.read_text())
+        steps = totals["steps"]
+        per_step = {k: totals[k] / steps for k in ("bytes", "tied_bytes", "replica_bytes")}
+        per_step["pipeline_messages"] = per_step["bytes"] - per_step["tied_bytes"] - per_step["replica_bytes"]
+        rows.append({"variant": variant, "steps": steps, **{f"{k}_per_step": v for k, v in per_step.items()}})
+    base = rows[0]["bytes_per_step"]
+    print(f"{'per step, one replica (MB)':28s} {'pipeline msgs':>14s} {'tied sum':>10s} {'replica avg':>12s} "
+          f"{'all':>10s} {'fewer bytes':>12s}")
+    for r in rows:
+        r["fewer_bytes"] = base / r["bytes_per_step"]
+        print(f"{r['variant']:28s} {r['pipeline_messages_per_step'] / 1e6:14.2f} {r['tied_bytes_per_step'] / 1e6:10.2f} "
+              f"{r['replica_bytes_per_step'] / 1e6:12.2f} {r['bytes_per_step'] / 1e6:10.2f} {r['fewer_bytes']:11.3f}x")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bytes_by_kind.json").write_text(json.dumps({"model": "Llama from config, tied, vocab 32k, hidden 256, "
+                                                        "4 layers, batch 8 x 128, 2 stages x 2 replicas",
+                                                        "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
