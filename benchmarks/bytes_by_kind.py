@@ -1,6 +1,6 @@
 """Everything a replica's ranks send per step, by kind: pipeline messages, the tied gradient sum, the replicas' average.
 
-    python benchmarks/bytes_by_kind.py [--steps 4] [--out benchmarks/results]
+    python benchmarks/bytes_by_kind.py [--steps 4] [--out benchmarks/results] [--tiny]
 
 A Hugging Face Llama built from its config with tied input embedding and output head and a 32k vocabulary (hidden
 256, 4 layers, batch 8 x 128 tokens), on 2 pipeline stages x 2 replicas (4 processes, Lightning's launcher), trained
@@ -8,6 +8,7 @@ uncompressed and with Clapping-FC q4/q8 (p = 1: every step fresh, so both send t
 ``trainer.strategy.byte_totals`` after ``fit`` and reports, per optimizer step and per replica, the pipeline's
 messages (activations and gradients), the tied sum and the replicas' gradient average, and the ratio of everything
 sent against uncompressed. Saves OUT/bytes_by_kind.json. The byte numbers do not depend on the data (random tokens).
+``--tiny`` (the smoke test): vocabulary 100, hidden 16, two steps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ VARIANTS = {"uncompressed": {}, "clapping-fc q4/q8": {"variant": "clapping-fc", 
                                                      "backward_codec": "q8"}}
 
 
-def worker(variant: str, steps: int, out: str) -> None:
+SIZES = {"full": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4),
+         "tiny": dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2)}
+
+
+def worker(variant: str, steps: int, out: str, size: str = "full") -> None:
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -36,9 +43,7 @@ def worker(variant: str, steps: int, out: str) -> None:
     class TiedLlama(L.LightningModule):
         def __init__(self):
             super().__init__()
-            config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                                 tie_word_embeddings=True)
+            config = LlamaConfig(**SIZES[size], max_position_embeddings=128, tie_word_embeddings=True)
             self.model = LlamaForCausalLM(config)
 
         def training_step(self, batch, batch_idx):
@@ -49,36 +54,45 @@ def worker(variant: str, steps: int, out: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     L.seed_everything(0)
-    data = TensorDataset(torch.randint(0, 32000, (8 * 2 * steps, 128), generator=torch.Generator().manual_seed(1)))
+    vocab = SIZES[size]["vocab_size"]
+    data = TensorDataset(torch.randint(0, vocab, (8 * 2 * steps, 128), generator=torch.Generator().manual_seed(1)))
     strategy = ClappingStrategy(stages=2, microbatches=2, **VARIANTS[variant])
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(TiedLlama(), DataLoader(data, batch_size=8))
+    model = TiedLlama()
+    trainer.fit(model, DataLoader(data, batch_size=8))
     if trainer.global_rank == 0:
-        Path(out).write_text(json.dumps(trainer.strategy.byte_totals))
+        # what the replicas' average carries per step: every fp32 gradient of both stages and a presence flag each;
+        # the tied tensor is one parameter of the model but a gradient on both stages, so its copy counts again
+        params = list(model.parameters())
+        grads = sum(p.numel() * 4 + 4 for p in params) + model.model.lm_head.weight.numel() * 4 + 4
+        Path(out).write_text(json.dumps({**trainer.strategy.byte_totals, "gradient_bytes": grads}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help="a small model and two steps (the smoke test)")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), args.worker[2])
+        worker(args.worker[0], int(args.worker[1]), args.worker[2], args.worker[3])
         return
+    size, steps = ("tiny", 2) if args.tiny else ("full", args.steps)  # the first step is sent in full (warm_start)
     rows = []
     for variant in VARIANTS:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "totals.json"
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-            subprocess.run([sys.executable, __file__, "--worker", variant, str(args.steps), str(path)], cwd=tmp,
+            subprocess.run([sys.executable, __file__, "--worker", variant, str(steps), str(path), size], cwd=tmp,
                            env=env, check=True, timeout=1800)
             totals = json.loads(path.read_text())
         steps = totals["steps"]
         per_step = {k: totals[k] / steps for k in ("bytes", "tied_bytes", "replica_bytes")}
         per_step["pipeline_messages"] = per_step["bytes"] - per_step["tied_bytes"] - per_step["replica_bytes"]
-        rows.append({"variant": variant, "steps": steps, **{f"{k}_per_step": v for k, v in per_step.items()}})
+        rows.append({"variant": variant, "steps": steps, "gradient_bytes": totals["gradient_bytes"],
+                     **{f"{k}_per_step": v for k, v in per_step.items()}})
     base = rows[0]["bytes_per_step"]
     print(f"{'per step, one replica (MB)':28s} {'pipeline msgs':>14s} {'tied sum':>10s} {'replica avg':>12s} "
           f"{'all':>10s} {'fewer bytes':>12s}")
@@ -88,9 +102,9 @@ def main() -> None:
               f"{r['replica_bytes_per_step'] / 1e6:12.2f} {r['bytes_per_step'] / 1e6:10.2f} {r['fewer_bytes']:11.3f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bytes_by_kind.json").write_text(json.dumps({"model": "Llama from config, tied, vocab 32k, hidden 256, "
-                                                        "4 layers, batch 8 x 128, 2 stages x 2 replicas",
-                                                        "rows": rows}, indent=2))
+    model = ("Llama from config, tied, " + ("vocab 100, hidden 16, 2 layers" if args.tiny else
+                                            "vocab 32k, hidden 256, 4 layers") + ", batch 8 x 128, 2 stages x 2 replicas")
+    (out / "bytes_by_kind.json").write_text(json.dumps({"model": model, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

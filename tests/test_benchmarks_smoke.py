@@ -130,3 +130,15 @@ def test_bottleneck_fit_benchmark_fits_in_one_process_and_on_the_stages_alike(tm
     assert result["largest_weight_difference"] == 0.0  # the same forward, the same sums, the same directions
     assert rows[0]["kept"] == rows[1]["kept"] and len(rows[0]["kept"]) == 3
     assert f"largest difference between the fitted weights: {result['largest_weight_difference']:.3g}" in proc.stdout
+
+
+def test_bytes_by_kind_counts_the_replicas_average_as_the_models_gradients_and_the_tied_sum(tmp_path):
+    _run("bytes_by_kind.py", tmp_path, timeout=600)
+    rows = json.loads((tmp_path / "bytes_by_kind.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["uncompressed", "clapping-fc q4/q8"]
+    for r in rows:
+        # 2 replicas: a ring all-reduce sends 2 (R - 1) / R = 1 times every gradient (and flag) from each rank
+        assert r["replica_bytes_per_step"] == r["gradient_bytes"]
+        assert r["tied_bytes_per_step"] > 0 and r["pipeline_messages_per_step"] > 0
+    assert rows[1]["pipeline_messages_per_step"] < rows[0]["pipeline_messages_per_step"]  # compression acts there
+    assert rows[1]["tied_bytes_per_step"] == rows[0]["tied_bytes_per_step"]  # and only there
