@@ -343,16 +343,6 @@ class Drift(DANN):
         self.scale.mul_(0.5)
 
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
-
-
 class MAE(_SGD):
     """A masked autoencoder as MAE's reference code writes it: random masking inside the encoder's method, encoder
     and decoder blocks in ModuleLists run in the parent's loops, the loss on the masked patches."""
@@ -363,12 +353,12 @@ class MAE(_SGD):
         self.patch_embed = nn.Linear(patch_dim, d)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
         self.pos_embed = nn.Parameter(torch.randn(1, L_ + 1, d) * 0.02, requires_grad=False)
-        self.blocks = nn.ModuleList([Block(d) for _ in range(depth)])
+        self.blocks = nn.ModuleList([ResidualBlock(d) for _ in range(depth)])
         self.norm = nn.LayerNorm(d)
         self.decoder_embed = nn.Linear(d, dd)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dd))
         self.decoder_pos_embed = nn.Parameter(torch.randn(1, L_ + 1, dd) * 0.02, requires_grad=False)
-        self.decoder_blocks = nn.ModuleList([Block(dd) for _ in range(ddepth)])
+        self.decoder_blocks = nn.ModuleList([ResidualBlock(dd) for _ in range(ddepth)])
         self.decoder_norm = nn.LayerNorm(dd)
         self.decoder_pred = nn.Linear(dd, patch_dim)
         torch.nn.init.normal_(self.cls_token, std=0.02)
