@@ -14,6 +14,7 @@ from lightning_clapping.pipeline.materialize import MaterializeError, building_o
 from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
 from lightning_clapping.pipeline.stage import SplitError
 from lightning_clapping.strategy import ClappingStrategy
+from lightning_clapping.sync import LAG, DiLoCo
 
 from lightning_clapping import _namespaces
 
@@ -29,8 +30,10 @@ __all__ = [
     "ClappingStrategy",
     "Codec",
     "CodecScheduler",
+    "DiLoCo",
     "FaultTolerance",
     "FitBottlenecks",
+    "LAG",
     "LazySamplingDataModule",
     "LazySamplingLoader",
     "MaterializeError",

@@ -26,7 +26,11 @@ from lightning_clapping.options import ClappingOptions
 from lightning_clapping.pipeline.executor import PipelineExecutor
 from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
+from lightning_clapping.sync import ReplicaSync
 from lightning_clapping.tuning import Tuning
+
+#: the replica sync's state among a rank's buffers (no message rule has this name)
+SYNC_KEY = "replica_sync"
 
 
 class StageCheckpoints:
@@ -77,9 +81,10 @@ class StageCheckpoints:
         # positions as one process has them: a tied tensor once (each stage lists its own copy apart)
         return ckpt.one_process_positions(ckpt.merge_optimizer_states(parts, names), names, self.tied_alias)
 
-    def feedback_state(self, executor: PipelineExecutor | None, placement: Placement) -> dict[str, Any]:
-        state = executor.feedback_state() if executor is not None else self.last_feedback
-        return {feedback_key(placement): state}
+    def feedback_state(self, executor: PipelineExecutor | None, placement: Placement,
+                       driver: Any = None) -> dict[str, Any]:
+        """This rank's buffers: its rules' error feedback and its replica sync's state (``replica_sync``)."""
+        return {feedback_key(placement): rank_buffers(executor, driver) if executor is not None else self.last_feedback}
 
     def add_run_record(self, checkpoint: dict[str, Any], partition: Partition | None, num_stages: int,
                        tuning: Tuning) -> None:
@@ -176,8 +181,19 @@ def feedback_key(placement: Placement) -> str:
     return f"stage{placement.stage}" if placement.replica == 0 else f"replica{placement.replica}_stage{placement.stage}"
 
 
+def rank_buffers(executor: PipelineExecutor, driver: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of this rank beyond the model and optimizer: error feedback by rule, and the replica
+    sync's state (under ``SYNC_KEY``, a name no rule has) of the step ``driver``, if it has one."""
+    state = executor.feedback_state()
+    sync: ReplicaSync | None = getattr(driver, "sync", None)
+    saved = sync.state_dict() if sync is not None else {}
+    if saved:
+        state[SYNC_KEY] = {**saved, f"mode.{sync.name}": torch.ones(1)}
+    return state
+
+
 def restore_feedback(checkpoint: dict[str, Any], partition: Partition | None, executor: PipelineExecutor | None,
-                     placement: Placement, tuning: Tuning) -> None:
+                     placement: Placement, tuning: Tuning, driver: Any = None) -> None:
     """Load this rank's saved error-feedback buffers into its rules, if the checkpoint was cut the same way."""
     saved = checkpoint.get("clapping")
     if not saved or executor is None or partition is None:
@@ -192,9 +208,21 @@ def restore_feedback(checkpoint: dict[str, Any], partition: Partition | None, ex
         return
     tuning.restore(saved.get("autotune"), executor, saved.get("codecs"))  # so that its buffers fit the rules
     for name, state in checkpoint.get("clapping_feedback", {}).get(feedback_key(placement), {}).items():
+        if name == SYNC_KEY:
+            _restore_sync(state, getattr(driver, "sync", None))
         rule = executor.rules.get(name)
         if rule is not None:
             rule.load_state(state, placement.device)
+
+
+def _restore_sync(state: dict[str, Any], sync: ReplicaSync | None) -> None:
+    """The replica sync's saved state, into a sync of the same mode; another mode starts afresh (with a warning)."""
+    saved = next((k.split(".", 1)[1] for k in state if k.startswith("mode.")), None)
+    if sync is None or saved != sync.name:
+        rank_zero_warn(f"the checkpoint holds the state of replica_sync={saved!r} and this run syncs its replicas "
+                       f"with {getattr(sync, 'name', 'nothing (one replica)')!r}: that state is not used")
+        return
+    sync.load_state_dict({k: v for k, v in state.items() if not k.startswith("mode.")})
 
 
 @contextmanager

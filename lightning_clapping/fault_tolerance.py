@@ -37,6 +37,7 @@ from lightning_clapping.ft.sampler import shard_loader
 from lightning_clapping.lazy.sampler import LazySampler
 from lightning_clapping.lazy.source import make_source
 from lightning_clapping.stage_setup import Patches, shard_lazy_data
+from lightning_clapping.sync.every_step import EveryStepSync
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,8 @@ class FaultTolerantFit:
                              f"{len(strategy.optimizers)}")
         self.trainer, self.strategy, self.driver, self.config = trainer, strategy, driver, config
         self.group = ReplicaGroup(config, placement.global_rank, placement.num_ranks, placement.device)
-        driver.averager = GradientAverager(None, config.num_replica_groups, comm_hook=average_bucket,
-                                           comm_state=self.group)
+        driver.sync = EveryStepSync(GradientAverager(None, config.num_replica_groups, comm_hook=average_bucket,
+                                                     comm_state=self.group))
         self.lazy = isinstance(trainer.datamodule, LazySamplingDataModule)
         if self.lazy:
             shard_lazy_data(trainer.datamodule, config.num_replica_groups, config.replica_group, patches)

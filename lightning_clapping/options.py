@@ -24,6 +24,7 @@ from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import check_variant
 from lightning_clapping.comm.placement import Topology
 from lightning_clapping.ft.config import resolve as resolve_fault_tolerance
+from lightning_clapping.sync.config import resolve as resolve_replica_sync
 from lightning_clapping.launcher import refuse_spawn
 from lightning_clapping.pipeline.recompute import check_policy
 from lightning_clapping.pipeline.schedule import SCHEDULES
@@ -112,6 +113,8 @@ class ClappingOptions:
     #: the run-time guard compares the stages' recomputed values again every this many training steps (None: only
     #: at the first step of each kind); see lightning_clapping.pipeline.agreement
     recheck_every: int | None = 100
+    #: how each stage's replicas stay together (lightning_clapping.sync.config): EveryStep, LAG or DiLoCo
+    replica_sync: Any = None
     autotune_settings: AutotuneSettings = field(default_factory=AutotuneSettings)
 
     @classmethod
@@ -122,7 +125,8 @@ class ClappingOptions:
               process_group_backend: str | None, timeout: timedelta, liveness: timedelta | None,
               prepost_receives: bool | None, log_bytes: bool, state_dict_type: str, start_method: str,
               activation_checkpointing: Any, tied_codec: Any = None, pretrained: Any = None,
-              fault_tolerance: Any = None, recheck_every: int | None = 100) -> ClappingOptions:
+              fault_tolerance: Any = None, recheck_every: int | None = 100,
+              replica_sync: Any = None) -> ClappingOptions:
         """Validate the constructor's arguments (in the order they have always been checked) into options."""
         refuse_spawn(start_method)
         if state_dict_type not in STATE_DICT_TYPES:
@@ -171,6 +175,11 @@ class ClappingOptions:
                              f"stages' recomputed values at the first step only; got {recheck_every!r}")
         tied = _check_tied_codec(tied_codec)
         fault_tolerance = resolve_fault_tolerance(fault_tolerance)
+        sync = resolve_replica_sync(replica_sync)
+        if sync.name != "every-step" and (fault_tolerance is not None or ddp_comm_hook is not None):
+            raise ValueError(f"replica_sync={sync.name!r} syncs the replicas itself: it takes no "
+                             f"{'fault_tolerance' if fault_tolerance is not None else 'ddp_comm_hook'} (not supported "
+                             "together yet; use replica_sync='every-step' with it)")
         if fault_tolerance is not None and ddp_comm_hook is not None:
             raise ValueError("fault_tolerance averages gradients over the replica groups through torchft; it takes no "
                              "ddp_comm_hook (drop one of them)")
@@ -185,7 +194,7 @@ class ClappingOptions:
             process_group_backend=process_group_backend, timeout=timeout, liveness=liveness,
             prepost_receives=prepost_receives, log_bytes=log_bytes, state_dict_type=state_dict_type,
             activation_checkpointing=policy, tied_codec=tied, pretrained=_check_pretrained(pretrained),
-            fault_tolerance=fault_tolerance, recheck_every=recheck_every,
+            fault_tolerance=fault_tolerance, recheck_every=recheck_every, replica_sync=sync,
         )
 
     def num_stages(self, num_ranks: int) -> int:

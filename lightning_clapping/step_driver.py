@@ -28,7 +28,6 @@ from lightning_clapping import precision
 from lightning_clapping.codecs.feedback import StepContext
 from lightning_clapping.comm import failures, safe_objects
 from lightning_clapping.comm.placement import Placement
-from lightning_clapping.comm.replicas import GradientAverager
 from lightning_clapping.comm.step_results import ByteStats, broadcast_results, pack_results, unpack_results
 from lightning_clapping.comm.ties import TiedGradients
 from lightning_clapping.data import find_lazy_loader
@@ -43,6 +42,7 @@ from lightning_clapping.pipeline.microbatch import merge_outputs, split_batch
 from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
 from lightning_clapping.stage_setup import Patches
+from lightning_clapping.sync import make_sync
 from lightning_clapping.tuning import Tuning
 
 
@@ -56,8 +56,9 @@ class StepDriver:
         self.partition, self.runner, self.executor = partition, runner, executor
         self.precision_plugin, self.byte_stats, self.tuning = precision_plugin, byte_stats, tuning
         self.relay = LogRelay(module)
-        self.averager = GradientAverager(placement.dp_group, placement.num_replicas, comm_hook=options.ddp_comm_hook,
-                                         comm_state=options.ddp_comm_state) if placement.num_replicas > 1 else None
+        #: how this stage's replicas stay together (lightning_clapping.sync); None with one replica
+        self.sync = make_sync(options.replica_sync, placement, options.ddp_comm_hook, options.ddp_comm_state)
+        self._stage_params: list[torch.nn.Parameter] = []
         self._local_logs: list[Any] | None = None
         self._checked_batch = False
         self._lazy_checked = False
@@ -89,6 +90,9 @@ class StepDriver:
         """Lightning's ``training_step``: the schedule's forwards and backwards of all micro-batches, the gradients
         left in ``.grad`` for the optimizer step, and the last stage's loss (and outputs) returned on every rank."""
         module, trainer, device = self.module, self.module.trainer, self.placement.device
+        if self.sync is not None and not self._stage_params:  # the fit's first step (a resumed replica's own state)
+            self._stage_params = _stage_params(optimizers)
+            self.sync.on_train_start(self._stage_params, optimizers)
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
             for optimizer in optimizers:
@@ -126,10 +130,12 @@ class StepDriver:
                      fingerprint: tuple[int, ...] | None, info: Any, optimizers: list[Any]) -> Tensor:
         """After the schedule: average over the replicas, take the last stage's results, log, maybe autotune."""
         last_backward = not _compat.should_accumulate(self.module.trainer)
-        if self.averager is not None and last_backward:
-            # this stage's last backward is done: average over the replicas while the pipeline drains
-            self.averager.start(_stage_params(optimizers))
-            stats.replica_bytes, stats.replica_raw_bytes = self.averager.sent_bytes, self.averager.raw_bytes
+        if self.sync is not None and last_backward:
+            # this stage's last backward is done: the replicas may sync while the pipeline drains
+            self._stage_params = _stage_params(optimizers)
+            self.sync.after_backward(self._stage_params, optimizers)
+        if self.sync is not None:  # what it sent since the last step (a local-update sync: after that step)
+            stats.replica_bytes, stats.replica_raw_bytes = self.sync.take_bytes()
         self._tie_sum_due = self.ties is not None and last_backward
         # the last stage's results came back with the last gradient message (on one stage, nothing was sent)
         blob = self.executor.results if self.placement.num_stages > 1 else self._step_results(outputs, sizes, None)
@@ -141,13 +147,26 @@ class StepDriver:
 
     def finish_average(self) -> None:
         """Before clipping and the optimizer step: wait for the replicas' average of the gradients."""
-        if self.averager is not None:
-            self.averager.finish()
+        if self.sync is not None:
+            self.sync.before_step()
         if self._tie_sum_due:  # after the replicas' average: every replica then sums the same values
             assert self.ties is not None
             self._tie_sum_due = False
             with self._reported():
                 self.ties.sum_gradients(self.module, self.module.trainer.global_step)
+
+    def after_optimizer_step(self) -> None:
+        """After Lightning's optimizer step (every optimizer of the step): the replica sync's last hook."""
+        if self.sync is not None and self._stage_params:
+            self.sync.after_step(self._stage_params)
+
+    def end_of_fit(self) -> None:
+        """Collective, at the end of a fit: the replica sync's last word, and its bytes into the totals."""
+        if self.sync is None:
+            return
+        if self._stage_params:
+            self.sync.finish(self._stage_params)
+        self.byte_stats.add_replica_bytes(*self.sync.take_bytes())
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         """Clip by the norm of the whole model's gradient, combined over all stages (a tied tensor counted once)."""

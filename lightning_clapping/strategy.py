@@ -69,11 +69,9 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             single replica). ``devices * num_nodes / stages`` replicas each train on their own share of the data
             (Lightning's ``DistributedSampler``, or the lazy sampler's own sharding), and every stage's gradients
             are averaged over its replicas before the optimizer step, as under DDP.
-        ddp_comm_hook, ddp_comm_state: compress the replicas' gradient averaging with one of PyTorch's DDP
-            communication hooks (``hook(state, bucket) -> Future``, e.g.
-            ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook`` or ``powerSGD_hook``
-            with a ``PowerSGDState``), worth it when the replicas sit behind slow links too. A ``None`` state (or a
-            state whose ``process_group`` is ``None``) reduces over each stage's replicas. Ignored with one replica.
+        ddp_comm_hook, ddp_comm_state: a PyTorch DDP communication hook (``hook(state, bucket) -> Future``, e.g.
+            ``bf16_compress_hook`` or ``powerSGD_hook`` with its state) for the every-step gradient average over the
+            replicas; a ``None`` state (or ``process_group``) reduces over each stage's replicas.
         microbatches: micro-batches per batch. A batch smaller than this (the last one of an epoch) is split into
             as many micro-batches as it has samples.
         schedule: ``"1f1b"`` (default: activation memory bounded by the pipeline depth), ``"gpipe"`` (all
@@ -137,6 +135,10 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             the meta device, or ``{"model": path}`` for a submodule's (``self.model``) keys; see README "Big models".
         fault_tolerance: ``"torchft"`` or a :class:`~lightning_clapping.FaultTolerance`: each replica is a job of
             its own that drops out when it loses a process, and rejoins (docs/fault_tolerance.md). Default: off.
+        replica_sync: how each stage's replicas stay together: ``"every-step"`` (default: gradients averaged before
+            every optimizer step), ``"lag"`` / :class:`~lightning_clapping.LAG` (lazily aggregated gradients) or
+            ``"diloco"`` / :class:`~lightning_clapping.DiLoCo` (local steps, an outer step every ``inner_steps``).
+            See README "Data parallel over slow links".
     """
 
     strategy_name = "clapping"
@@ -173,7 +175,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         state_dict_type: Literal["full", "sharded"] = "full",
         start_method: Literal["popen"] = "popen", fault_tolerance: Any = None,
         activation_checkpointing: Any = None, tied_codec: Any = None, pretrained: Any = None,
-        recheck_every: int | None = 100,
+        recheck_every: int | None = 100, replica_sync: Any = "every-step",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -187,7 +189,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             timeout=timeout, liveness=liveness, prepost_receives=prepost_receives, log_bytes=log_bytes,
             state_dict_type=state_dict_type, start_method=start_method, fault_tolerance=fault_tolerance,
             activation_checkpointing=activation_checkpointing, tied_codec=tied_codec, pretrained=pretrained,
-            recheck_every=recheck_every,
+            recheck_every=recheck_every, replica_sync=replica_sync,
         )
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
@@ -271,19 +273,16 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
 
     @property
     def world_size(self) -> int:
-        """Data-parallel replicas of the pipeline. This is ``trainer.world_size``, what code that divides a global batch
-        size by the number of model replicas reads, as under DDP (every stage of a replica sees the same whole batch).
-        The number of processes is :attr:`num_ranks`. Lightning's per-step broadcast of its SIGTERM flag (and the one
-        from its signal handler: a collective that a stage blocked in a pipeline transfer never joins) is turned off in
-        :meth:`setup`: a preempted run's processes each get the signal from the launcher or the scheduler and stop."""
+        """Data-parallel replicas (``trainer.world_size``, what code dividing a global batch by the model replicas
+        reads, as under DDP); the processes are :attr:`num_ranks`. Lightning's per-step SIGTERM broadcast is off
+        (see :meth:`setup`): a preempted run's processes each get the signal from the launcher or the scheduler."""
         return self.num_replicas
 
     @property
     def byte_totals(self) -> dict[str, float]:
-        """Sums over the training steps so far, on every rank: ``bytes`` sent (headers, results, tied sums included),
-        ``raw_bytes`` (uncompressed, fp32), ``control_bytes`` (step results), ``tied_bytes``, ``crossing_raw_bytes``
-        (values crossing cuts besides the cut modules' inputs, uncompressed), ``skipped_messages``, ``fresh_steps``
-        and ``steps``. Exact up to the last finished step (the logged values show it a step later)."""
+        """Sums over the training steps so far, on every rank: ``bytes`` (everything sent: messages, results, tied
+        sums, replica sync), ``raw_bytes`` (the same uncompressed, fp32), ``control_bytes``, ``tied_bytes``,
+        ``replica_bytes``, ``crossing_raw_bytes``, ``skipped_messages``, ``fresh_steps``, ``steps`` (README)."""
         if self._byte_stats is None:
             return {}
         self._byte_stats.finish()
@@ -303,9 +302,6 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         """The global rank of ``stage`` in this rank's replica."""
         return self.placement.rank_of_stage(stage)
 
-    def stage_of_rank(self, rank: int) -> int:
-        return self.placement.stage_of_rank(rank)
-
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
@@ -315,13 +311,9 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_ranks)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        if self.num_processes:
-            self._check_ranks()
-
-    def _check_ranks(self) -> None:
-        """The processes must hold a whole number of replicas, laid out alike on the nodes."""
-        devices = {d.type for d in self.parallel_devices or ()}
-        check_ranks(self.options, self.topology, self.num_processes, self.num_nodes, devices)
+        if self.num_processes:  # the processes must hold a whole number of replicas, laid out alike on the nodes
+            check_ranks(self.options, self.topology, self.num_processes, self.num_nodes,
+                        {d.type for d in self.parallel_devices or ()})
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -431,6 +423,11 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._driver.after_optimizer_step()  # a local-update replica sync acts here
+        return out
+
     # ------------------------------------------------------------------ checkpoints (see checkpoint_hooks)
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.partition is not None
@@ -443,7 +440,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         """Adds every stage's error-feedback buffers, so a compressed run resumes exactly."""
         rooms, placement, module = self._checkpoints, self.placement, self.lightning_module
         rooms.add_run_record(checkpoint, self.partition, self.num_stages, self._tuning)
-        feedback = rooms.feedback_state(self.executor, placement)
+        feedback = rooms.feedback_state(self.executor, placement, self._steps)
         if self.options.state_dict_type == "full":
             with checkpoint_hooks.plain_forwards(self.runner), stage_setup.whole_buffers(module, placement):
                 rooms.complete_full(checkpoint, feedback, placement, module, filepath)
@@ -485,7 +482,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         self._restore_feedback(checkpoint)
 
     def _restore_feedback(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint_hooks.restore_feedback(checkpoint, self.partition, self.executor, self.placement, self._tuning)
+        checkpoint_hooks.restore_feedback(checkpoint, self.partition, self.executor, self.placement, self._tuning,
+                                          self._steps)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self._checkpoints.sharded_loaded:
@@ -503,6 +501,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         self._full_state = state if self.global_rank == 0 else None
 
     def on_train_end(self) -> None:
+        if self._steps is not None:
+            self._steps.end_of_fit()
         if self._byte_stats is not None:
             self._byte_stats.finish()  # the last step's numbers, into the totals (also after teardown)
         self._gather_full_weights()
@@ -520,7 +520,7 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         stage_setup.release_stage(self.lightning_module, self.runner, self._patches, self._full_state, self.optimizers)
         self._full_state = None
         if self.executor is not None:  # for a checkpoint saved after fit returns
-            self._checkpoints.last_feedback = self.executor.feedback_state()
+            self._checkpoints.last_feedback = checkpoint_hooks.rank_buffers(self.executor, self._steps)
         self.runner = self.executor = self._steps = None
         assert self.accelerator is not None
         self.precision_plugin.teardown()

@@ -115,6 +115,18 @@ class ByteStats:
         self.totals["steps"] += 1
         self._ready = {**values, **extra}
 
+    def add_replica_bytes(self, sent: float, raw: float) -> None:
+        """Collective over the pipeline: replica-sync bytes sent after the last step (a local-update mode's last
+        sync), summed over the stages into the totals."""
+        self.finish()
+        both = torch.tensor([sent, raw], dtype=torch.float64, device=self.placement.device)
+        if self.num_stages > 1:
+            dist.all_reduce(both, group=self.placement.pp_group)
+        sent, raw = both.tolist()
+        self.totals["bytes"] += sent
+        self.totals["raw_bytes"] += raw
+        self.totals["replica_bytes"] += sent
+
     def _values(self, per_stage: list[StepStats], tied: tuple[float, float] | None) -> dict[str, float]:
         values: dict[str, float] = {}
         for m in range(self.num_stages - 1):

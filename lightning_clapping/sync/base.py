@@ -1,0 +1,99 @@
+"""The seam between a training step and the replicas of its stage: :class:`ReplicaSync`.
+
+The step driver calls :meth:`ReplicaSync.on_train_start` before a fit's first step, then these hooks, in this
+order, once per optimizer step:
+
+* :meth:`ReplicaSync.after_backward` when the stage's last backward of the step is done (the pipeline may still be
+  draining: a sync can start its collectives here and overlap them);
+* :meth:`ReplicaSync.before_step` before clipping and the optimizer step (the gradients the optimizer sees are
+  final after it);
+* :meth:`ReplicaSync.after_step` after the optimizer step (a local-update mode syncs the parameters here);
+* :meth:`ReplicaSync.finish` at the end of a fit.
+
+Every mode keeps the replicas' parameters identical wherever the mode says they agree (every-step and LAG: after
+every optimizer step; DiLoCo: after every outer step), and counts what this rank hands to torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class ReplicaSync:
+    """One mode of keeping a stage's replicas together (see the module docstring). The base does nothing: one
+    replica."""
+
+    #: the mode's ``replica_sync`` name (what a checkpoint records)
+    name = "none"
+    #: whether :meth:`take_bytes` sees every byte this mode sends (a DDP communication hook's are its own)
+    counted = True
+
+    def __init__(self) -> None:
+        self._sent = self._raw = 0.0
+
+    def on_train_start(self, params: list[torch.nn.Parameter], optimizers: list[Any]) -> None:
+        """Before the first training step of a fit (after a checkpoint was loaded, if one was)."""
+
+    def after_backward(self, params: list[torch.nn.Parameter], optimizers: list[Any]) -> None:
+        """The stage's trainable parameters (same order on every replica; ``.grad`` may be None) and the
+        optimizers of the step."""
+
+    def before_step(self) -> None:
+        """Before clipping and the optimizer step: the gradients in ``.grad`` are the ones to step with."""
+
+    def after_step(self, params: list[torch.nn.Parameter]) -> None:
+        """After the optimizer step of this optimizer step's parameters."""
+
+    def finish(self, params: list[torch.nn.Parameter]) -> None:
+        """At the end of a fit (collective over the replicas): make the replicas agree if the mode left them apart."""
+
+    def take_bytes(self) -> tuple[float, float]:
+        """(bytes sent, the same uncompressed in fp32) since the last call."""
+        out = (self._sent, self._raw)
+        self._sent = self._raw = 0.0
+        return out
+
+    def count(self, sent: float, raw: float = 0.0) -> None:
+        self._sent += sent
+        self._raw += raw
+
+    def count_every_step_equivalent(self, params: list[torch.nn.Parameter], replicas: int) -> None:
+        """The raw bytes of one optimizer step: what every-step averaging sends for ``params`` in fp32 (their
+        gradients and a presence flag each), so that a mode's ratio is against uncompressed every-step training."""
+        self._raw += ring_share(replicas) * (sum(p.numel() for p in params) + len(params)) * 4
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """What a resumed run needs to go on as this one would: flat names to CPU tensors (a checkpoint keeps it
+        with this rank's error-feedback buffers)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state to restore, got keys {sorted(state)}")
+
+    def state_bytes(self) -> int:
+        """Bytes this mode keeps per rank besides the model and optimizer (copies of gradients or parameters)."""
+        return 0
+
+
+def ring_share(replicas: int) -> float:
+    """What each rank sends in a ring all-reduce, per byte of the buffer: ``2 (R - 1) / R``."""
+    return 2 * (replicas - 1) / replicas
+
+
+def flat_of(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def unflatten_into(flat: Tensor, outs: list[Tensor]) -> None:
+    offset = 0
+    for t in outs:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def nbytes(tensors: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
