@@ -156,18 +156,14 @@ class _Prepared:
         return (self.prepare(b) for b in self.batches)
 
 
-class OnStages:
-    """``ClappingStrategy.fit_bottlenecks``: the stages fit the bottlenecks together (a mixin of the strategy)."""
-
-    def fit_bottlenecks(self, batches: Iterable[Any], run: Callable[[Any], Any],
-                        positions: Callable[[Any], Tensor] | None = None) -> dict[str, float]:
-        """Collective over every rank, between setup and the first training step (:class:`FitBottlenecks` calls it):
-        start every bottleneck from the principal directions of what reaches it, as
-        :func:`~lightning_clapping.fit_bottlenecks` does in one process. Returns the kept fractions, on every rank."""
-        driver = self._driver  # type: ignore[attr-defined]
-        trainer = driver.module.trainer
-        bn.check_reusable(batches, WHO)
-        return _fit_on_stages(driver, batches, run, positions, lambda b: _compat.training_batch(trainer, b))
+def fit_on_stages(driver: Any, batches: Iterable[Any], run: Callable[[Any], Any],
+                  positions: Callable[[Any], Tensor] | None = None) -> dict[str, float]:
+    """``ClappingStrategy.fit_bottlenecks``, collective over every rank, between setup and the first training step
+    (:class:`FitBottlenecks` calls it): start every bottleneck from the principal directions of what reaches it, as
+    :func:`~lightning_clapping.fit_bottlenecks` does in one process. Returns the kept fractions, on every rank."""
+    trainer = driver.module.trainer
+    bn.check_reusable(batches, WHO)
+    return _fit_on_stages(driver, batches, run, positions, lambda b: _compat.training_batch(trainer, b))
 
 
 def _fit_on_stages(driver: Any, batches: Iterable[Any], run: Callable[[Any], Any],

@@ -1,18 +1,20 @@
 """``ClappingStrategy(fault_tolerance="torchft")`` in Lightning's fit loop: replica groups that drop out and rejoin.
 
 Each replica group (one job of ``stages`` processes: ``devices x num_nodes = stages``) trains its own shard; stage
-``s`` of every live group averages gradients through torchft (:mod:`lightning_clapping.ft`). What this module adds
-to a fit, all through attributes set for the run (:class:`~lightning_clapping.stage_setup.Patches`):
+``s`` of every live group averages gradients through torchft (:mod:`lightning_clapping.ft`). The fit's replica sync
+is :class:`TorchftSync`, and it acts through the hooks the step driver calls on every sync
+(:mod:`lightning_clapping.sync.base`):
 
-* the step's gradient average: the step driver's ``GradientAverager`` with torchft's all-reduce as its DDP hook;
-* the optimizer step runs only when torchft's vote says every rank of every live group got through the step
-  (a group that died mid-step fails it for the others, who then skip that one update, as torchft's own optimizer
-  wrapper does); a skipped update also leaves the error-feedback residuals of a compressed tied sum (``tied_codec``)
-  as they were before the step;
-* the quorum of the next step is formed at the end of each step (a callback's ``on_train_batch_end``, where
-  Lightning's own mid-epoch checkpoints are taken); there a group that is behind takes a live peer's state:
-  this stage's parameters and buffers, optimizer, LR schedulers and precision state;
-* a restarted group joins once its train loader is set up, before its first step: with the peer's state it also
+* the step's gradient average (``after_backward``, ``before_step``): every-step averaging with torchft's
+  all-reduce as its DDP hook;
+* the vote (``commit``): the optimizer step runs only when torchft says every rank of every live group got through
+  the step (a group that died mid-step fails it for the others, who then skip that one update, as torchft's own
+  optimizer wrapper does); the step driver then also leaves the error-feedback residuals of a compressed tied sum
+  (``tied_codec``) as they were before the step;
+* the quorum (``before_batch``): formed as each training batch starts (after the previous batch's callbacks, where
+  Lightning's own mid-epoch checkpoints are taken; none after the last batch); there a group that is behind takes a
+  live peer's state: this stage's parameters and buffers, optimizer, LR schedulers and precision state;
+* joining (``on_loader``): a restarted group joins once its train loader is set up, before its first step: with the peer's state it also
   takes the fit loop's state (epoch, batch, global step) and resumes its own shard there: a plain ``DataLoader``
   skips the batches the others took this epoch, a lazy loader gets the peer's position for its own shard. The
   error-feedback buffers are not taken from a peer: they belong to the group's own pipeline, whose both ends
@@ -42,36 +44,26 @@ from lightning_clapping.sync.every_step import EveryStepSync
 log = logging.getLogger(__name__)
 
 
-def attach(driver: Any, patches: Patches) -> None:
-    """In ``setup()``, when fitting with ``fault_tolerance`` set: the run's step driver joins the quorum."""
+def join(driver: Any, patches: Patches) -> TorchftSync | None:
+    """In ``setup()``, when fitting with ``fault_tolerance`` set: the replica sync of the run's step driver, which
+    joins the quorum (``patches``: the lazy data module's sharding, set for the run)."""
     config = driver.options.fault_tolerance
     trainer = driver.module.trainer
-    if config is not None and trainer.state.fn == TrainerFn.FITTING:
-        FaultTolerantFit(driver, trainer, config.resolved(), patches)
+    if config is None or trainer.state.fn != TrainerFn.FITTING:
+        return None
+    return TorchftSync(driver, trainer, config.resolved(), patches)
 
 
 def replica_group(trainer: pl.Trainer) -> ReplicaGroup | None:
     """The running fit's :class:`~lightning_clapping.ft.group.ReplicaGroup` (its votes, its heals), if any."""
-    return next((cb.fit.group for cb in trainer.callbacks if isinstance(cb, QuorumCallback)), None)
+    steps = getattr(trainer.strategy, "_steps", None)
+    return steps.sync.group if steps is not None and isinstance(steps.sync, TorchftSync) else None
 
 
-class QuorumCallback(pl.Callback):
-    """Forms the next step's quorum at the end of each training batch (not after the last one)."""
-
-    def __init__(self, fit: FaultTolerantFit) -> None:
-        self.fit = fit
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        loop = trainer.fit_loop
-        last_epoch = trainer.max_epochs is not None and trainer.max_epochs != -1 and (
-            trainer.current_epoch + 1 >= trainer.max_epochs and loop.epoch_loop.batch_progress.is_last_batch)
-        if trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step or last_epoch:
-            return
-        self.fit.group.start_quorum()
-
-
-class FaultTolerantFit:
+class TorchftSync(EveryStepSync):
     """One fit of one rank of a replica group (see the module docstring)."""
+
+    votes = True
 
     def __init__(self, driver: Any, trainer: pl.Trainer, config: FaultTolerance, patches: Patches) -> None:
         placement, strategy = driver.placement, trainer.strategy
@@ -86,70 +78,56 @@ class FaultTolerantFit:
                              f"{len(strategy.optimizers)}")
         self.trainer, self.strategy, self.driver, self.config = trainer, strategy, driver, config
         self.group = ReplicaGroup(config, placement.global_rank, placement.num_ranks, placement.device)
-        driver.sync = EveryStepSync(GradientAverager(None, config.num_replica_groups, comm_hook=average_bucket,
-                                                     comm_state=self.group))
+        super().__init__(GradientAverager(None, config.num_replica_groups, comm_hook=average_bucket,
+                                          comm_state=self.group))
         self.lazy = isinstance(trainer.datamodule, LazySamplingDataModule)
         if self.lazy:
             shard_lazy_data(trainer.datamodule, config.num_replica_groups, config.replica_group, patches)
         self._loop_state: dict | None = None  # a peer's fit-loop state, taken at the first quorum
+        self._loader_state: Any = None  # the lazy loader's state at the last batch end (see after_step)
         self._joining = True  # until the first quorum: the loop and data positions may come from a peer
-        optimizer = strategy.optimizers[0]
-        patches.set(optimizer, "step", self._gated(optimizer.step, driver.ties))
-        patches.set(strategy, "process_dataloader", self._processing(strategy.process_dataloader))
-        patches.set(strategy, "teardown", self._closing(strategy.teardown))
-        patches.set(trainer, "callbacks", [*trainer.callbacks, QuorumCallback(self)])
         rank_zero_info(f"ClappingStrategy: replica group {config.replica_group} of {config.num_replica_groups}, "
                        f"lighthouse {config.lighthouse}")
 
     # ------------------------------------------------------------------ the step
-    def _gated(self, step: Any, ties: Any = None) -> Any:
-        """``step`` only when the vote commits; a refused step also leaves the tied sum's error-feedback residuals
-        (``ties``, updated in the closure's backward) as they were before it."""
-        def gated_step(closure: Any = None, **kwargs: Any) -> Any:
-            loss = closure() if closure is not None else None
-            if self.group.should_commit():
-                step(**kwargs)
-            else:
-                if ties is not None:
-                    ties.discard_step()
-                log.warning("replica group %d: step %d not committed (a peer failed during it)",
-                            self.config.replica_group, self.trainer.global_step)
-            return loss
+    def commit(self, step: int) -> bool:
+        if self.group.should_commit():
+            return True
+        log.warning("replica group %d: step %d not committed (a peer failed during it)", self.config.replica_group,
+                    step)
+        return False
 
-        return gated_step
+    def before_batch(self) -> None:
+        """The quorum of this step, formed as its batch starts: after the previous batch's callbacks (Lightning's
+        mid-epoch checkpoints), none after the last batch. A peer's fit-loop state read meanwhile counts this batch
+        as ready but not completed; a joining group goes on from the completed ones, as Lightning's own restart
+        does. The first step's quorum is the join's, still open."""
+        self.group.start_quorum()
 
-    def _closing(self, teardown: Any) -> Any:
-        def closing_teardown() -> None:
-            self.group.close()
-            teardown()
-
-        return closing_teardown
+    def close(self) -> None:
+        self.group.close()
 
     # ------------------------------------------------------------------ joining, and the data
-    def _processing(self, process: Any) -> Any:
-        def process_dataloader(dataloader: object) -> object:
-            dataloader = process(dataloader)
-            state = self.trainer.state
-            if state.fn != TrainerFn.FITTING or state.stage != RunningStage.TRAINING:
-                return dataloader
-            if self.group.manager is None:  # the first train loader (or, with lazy sampling, the one it wraps)
-                self.group.connect(self.state_dict, self.load_state_dict)
-                self.group.start_quorum()
-                self._joining = False
-                self._check_join()
-            outer = isinstance(dataloader, LazySampler) if self.lazy else True
-            if outer:
-                self._resume_data(dataloader)
+    def on_loader(self, dataloader: Any) -> Any:
+        state = self.trainer.state
+        if state.fn != TrainerFn.FITTING or state.stage != RunningStage.TRAINING:
             return dataloader
-
-        return process_dataloader
+        if self.group.manager is None:  # the first train loader (or, with lazy sampling, the one it wraps)
+            self.group.connect(self.peer_state, self.load_peer_state)
+            self.group.start_quorum()
+            self._joining = False
+            self._check_join()
+        outer = isinstance(dataloader, LazySampler) if self.lazy else True
+        if outer:
+            self._resume_data(dataloader)
+        return dataloader
 
     def _check_join(self) -> None:
         """Collective over the group: every rank took the same peer step, or none did; else the group restarts."""
         import torch
         import torch.distributed as dist
 
-        taken = -1 if self._loop_state is None else int(self._loop_state["epoch_loop.batch_progress"]["total"]["ready"])
+        taken = -1 if self._loop_state is None else _completed(self._loop_state, "total")
         failed = self.group.manager.errored() is not None
         flags = torch.tensor([float(failed), taken, -taken], device=self.driver.placement.device)
         if self.driver.placement.num_ranks > 1:
@@ -173,14 +151,26 @@ class FaultTolerantFit:
             entries = loop.get("state_dict", {}).get("combined_loader", [])
             loop["state_dict"]["combined_loader"] = [_retarget(e, loader, cfg.replica_group) for e in entries]
         self.trainer.fit_loop.load_state_dict(loop)
-        done = int(loop["epoch_loop.batch_progress"]["current"]["ready"])
+        done = _completed(loop, "current")
         if sampler is not None and done < _epoch_batches(self.trainer, len(loader)):
             sampler.skip_once(done * loader.batch_size)
         rank_zero_info(f"ClappingStrategy: replica group {cfg.replica_group} rejoined at epoch "
                        f"{self.trainer.current_epoch}, batch {done}, global step {self.trainer.global_step}")
 
     # ------------------------------------------------------------------ the state a peer takes
-    def state_dict(self) -> dict[str, Any]:
+    def after_step(self, params: list[Any]) -> None:
+        """With lazy data: the loader's state as the batch ends (Lightning has fetched one batch ahead), which a
+        joining group takes with the loop's counters of the next batch's start (see :meth:`before_batch`)."""
+        if self.lazy:
+            self._loader_state = self.trainer.fit_loop.state_dict().get("state_dict", {}).get("combined_loader")
+
+    def _loop_at_batch_end(self) -> dict[str, Any]:
+        loop = self.trainer.fit_loop.state_dict()
+        if self._loader_state is not None:
+            loop.setdefault("state_dict", {})["combined_loader"] = self._loader_state
+        return loop
+
+    def peer_state(self) -> dict[str, Any]:
         """This rank's share of the replicas' common state (called by torchft while training waits for the quorum)."""
         trainer, strategy = self.trainer, self.strategy
         return {
@@ -188,10 +178,10 @@ class FaultTolerantFit:
             "optimizer": strategy.optimizers[0].state_dict(),
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "precision": strategy.precision_plugin.state_dict(),
-            "loop": trainer.fit_loop.state_dict(),
+            "loop": self._loop_at_batch_end(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_peer_state(self, state: dict[str, Any]) -> None:
         trainer, strategy, module = self.trainer, self.strategy, self.trainer.lightning_module
         mine = set(_own_tensors(module))
         if set(state["module"]) != mine:
@@ -204,9 +194,14 @@ class FaultTolerantFit:
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
         strategy.precision_plugin.load_state_dict(state["precision"])
-        progress = state["loop"]["epoch_loop.batch_progress"]["total"]["ready"]
+        progress = _completed(state["loop"], "total")
         if self._joining and progress > 0:  # a group that restarted: it goes on where the others are
             self._loop_state = state["loop"]
+
+
+def _completed(loop: dict[str, Any], which: str) -> int:
+    """The training batches a fit-loop state has completed (``which``: "current" epoch or "total")."""
+    return int(loop["epoch_loop.batch_progress"][which]["completed"])
 
 
 def _own_tensors(module: Any) -> dict[str, Any]:

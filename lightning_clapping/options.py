@@ -298,3 +298,41 @@ def _codec_or_map(value: Any, name: str) -> Any:
                              f"{boundary!r}")
         out[boundary] = None if codec is None else get_codec(codec)
     return out
+
+
+class _Option:
+    """A strategy attribute that reads and sets ``strategy.options.<its name>``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"``options.{name}`` (see the strategy's docstring)."
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.options, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.options, self.name, value)
+
+
+class OptionAttributes:
+    """Options that read (and set) as attributes of the strategy too, as they did before :class:`ClappingOptions`
+    (a mixin of the strategy, which holds ``options``)."""
+
+    options: ClappingOptions
+    split_points = _Option()
+    microbatches = _Option()
+    schedule_auto = _Option()
+    variant = _Option()
+    forward_codec = _Option()
+    backward_codec = _Option()
+    fresh_codec = _Option()
+    autotune = _Option()
+    compress_eval = _Option()
+    warm_start = _Option()
+    lazy_messages = _Option()
+    max_skips = _Option()
+    sample_store_dtype = _Option()
+    freeze_rng = _Option()
+    log_bytes = _Option()
+    state_dict_type = _Option()
+    activation_checkpointing = _Option()

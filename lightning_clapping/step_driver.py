@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -83,7 +83,7 @@ class StepDriver:
                 if not getattr(type(self.module), hook).__module__.startswith(("lightning.", "pytorch_lightning.")):
                     patches.set(self.module, hook, guard.wrap(hook, getattr(self.module, hook)))
         patches.set(self.precision_plugin, "clip_grad_by_norm", self.clip_grad_by_norm)
-        fault_tolerance.attach(self, patches)  # with fault_tolerance: torchft averages over the replica groups
+        self.sync = fault_tolerance.join(self, patches) or self.sync  # torchft over the replica groups, if asked
 
     # ------------------------------------------------------------------ training
     def train(self, optimizers: list[Any], batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -155,10 +155,34 @@ class StepDriver:
             with self._reported():
                 self.ties.sum_gradients(self.module, self.module.trainer.global_step)
 
-    def after_optimizer_step(self) -> None:
-        """After Lightning's optimizer step (every optimizer of the step): the replica sync's last hook."""
-        if self.sync is not None and self._stage_params:
-            self.sync.after_step(self._stage_params)
+    def optimizer_step(self, step: Callable[[Any], Any], closure: Any) -> Any:
+        """Lightning's optimizer step, ``step(closure)``, then the replica sync's ``after_step``. A sync that votes
+        runs the closure (training step, backward, the average) first and the update only if the step is committed;
+        a refused step also leaves the tied sum's error-feedback residuals as they were before it."""
+        sync = self.sync
+        if sync is None or not sync.votes:
+            out = step(closure)
+        else:
+            out = closure()
+            if sync.commit(self.module.trainer.global_step):
+                loss = out
+                out = step(lambda: loss)
+            elif self.ties is not None:
+                self.ties.discard_step()
+        if sync is not None and self._stage_params:
+            sync.after_step(self._stage_params)
+        return out
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return self.sync.on_loader(dataloader) if self.sync is not None else dataloader
+
+    def before_batch(self) -> None:
+        if self.sync is not None:
+            self.sync.before_batch()
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
 
     def end_of_fit(self) -> None:
         """Collective, at the end of a fit: the replica sync's last word, and its bytes into the totals."""

@@ -45,7 +45,7 @@ from lightning_clapping.codecs.feedback import MessageRule
 from lightning_clapping.collectives import ReplicaCollectives
 from lightning_clapping.comm.placement import Placement, Topology, build_mesh
 from lightning_clapping.comm.step_results import ByteStats
-from lightning_clapping.options import ClappingOptions, check_ranks
+from lightning_clapping.options import ClappingOptions, OptionAttributes, check_ranks
 from lightning_clapping.pipeline.executor import PipelineExecutor
 from lightning_clapping.pipeline.materialize import building_on_meta
 from lightning_clapping.pipeline.partition import Partition, count_stage_bytes
@@ -57,7 +57,7 @@ from lightning_clapping.tuning import Tuning
 log = logging.getLogger(__name__)
 
 
-class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fitting.OnStages, ParallelStrategy):
+class ClappingStrategy(OptionAttributes, shuffle.SharedShuffle, ReplicaCollectives, ParallelStrategy):
     """Pipeline-parallel training: the model is cut into stages, one per process, and optionally replicated for
     data parallelism (``devices * num_nodes = stages * replicas``).
 
@@ -214,6 +214,10 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
     def autotuned(self) -> dict[int, Any] | None:
         """Autotune's choice, ``{boundary: autotune.Choice}`` (``None`` before it decided, or without autotune)."""
         return self._tuning.choices
+
+    def fit_bottlenecks(self, batches: Any, run: Any, positions: Any = None) -> dict[str, float]:
+        """Collective (:class:`~lightning_clapping.FitBottlenecks` calls it): see :mod:`.bottleneck_fitting`."""
+        return bottleneck_fitting.fit_on_stages(self._driver, batches, run, positions)
 
     def set_codecs(self, forward_codec: Any, backward_codec: Any) -> None:
         """Training codecs from the next step on; every rank calls it between the same two steps (CodecScheduler)."""
@@ -424,9 +428,15 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._driver.after_optimizer_step()  # a local-update replica sync acts here
-        return out
+        step = super().optimizer_step  # the replica sync may vote on the update, and acts after it
+        return self._driver.optimizer_step(lambda c: step(optimizer, c, model, **kwargs), closure)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._driver.before_batch()
+
+    def process_dataloader(self, dataloader: object) -> object:
+        loader = super().process_dataloader(dataloader)  # shared shuffling, then the replica sync (a group joins)
+        return self._steps.process_dataloader(loader) if self._steps is not None else loader
 
     # ------------------------------------------------------------------ checkpoints (see checkpoint_hooks)
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -521,6 +531,8 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
         self._full_state = None
         if self.executor is not None:  # for a checkpoint saved after fit returns
             self._checkpoints.last_feedback = checkpoint_hooks.rank_buffers(self.executor, self._steps)
+        if self._steps is not None:
+            self._steps.close()
         self.runner = self.executor = self._steps = None
         assert self.accelerator is not None
         self.precision_plugin.teardown()
@@ -531,18 +543,3 @@ class ClappingStrategy(shuffle.SharedShuffle, ReplicaCollectives, bottleneck_fit
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("clapping", cls,
                                    description="Pipeline-parallel training with compressed inter-stage messages")
-
-
-#: Options that read (and set) as attributes of the strategy too, as they did before :class:`ClappingOptions`.
-OPTION_ATTRIBUTES = ("split_points", "microbatches", "schedule_auto", "variant", "forward_codec", "backward_codec",
-                     "fresh_codec", "autotune", "compress_eval", "warm_start", "lazy_messages", "max_skips",
-                     "sample_store_dtype", "freeze_rng", "log_bytes", "state_dict_type", "activation_checkpointing")
-
-
-def _option(name: str) -> property:
-    return property(lambda self: getattr(self.options, name), lambda self, value: setattr(self.options, name, value),
-                    doc=f"``options.{name}`` (see the class docstring).")
-
-
-for _name in OPTION_ATTRIBUTES:
-    setattr(ClappingStrategy, _name, _option(_name))

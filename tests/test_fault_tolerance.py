@@ -257,18 +257,22 @@ def test_a_peers_lazy_loader_state_resumes_this_groups_own_shard_exactly(reused)
 
 @pytest.mark.parametrize("committed", [True, False])
 def test_the_optimizer_steps_only_when_torchft_commits_the_step(committed):
-    """The gate around the optimizer's step: the closure (forward, backward, average) always runs, the update only
-    when every rank of every live group got through the step."""
+    """The step driver's gate (its ``optimizer_step``, which the strategy's calls): with torchft's sync the closure
+    (forward, backward, average) always runs, once, and the update only when every rank of every live group got
+    through the step."""
     from types import SimpleNamespace
 
-    from lightning_clapping.fault_tolerance import FaultTolerantFit
+    from lightning_clapping.fault_tolerance import TorchftSync
+    from lightning_clapping.step_driver import StepDriver
 
-    fit = FaultTolerantFit.__new__(FaultTolerantFit)
-    fit.group = SimpleNamespace(should_commit=lambda: committed)
-    fit.config, fit.trainer = SimpleNamespace(replica_group=0), SimpleNamespace(global_step=3)
+    sync = TorchftSync.__new__(TorchftSync)
+    sync.group, sync.config = SimpleNamespace(should_commit=lambda: committed), SimpleNamespace(replica_group=0)
+    driver = StepDriver.__new__(StepDriver)
+    driver.sync, driver.ties, driver._stage_params = sync, None, []
+    driver.module = SimpleNamespace(trainer=SimpleNamespace(global_step=3))
     calls = []
-    gated = fit._gated(lambda **kw: calls.append("step"))
-    assert gated(closure=lambda: calls.append("closure") or 1.5) == 1.5
+    step = lambda closure: calls.append("step") or closure()  # noqa: E731 - Lightning's step calls the closure
+    assert driver.optimizer_step(step, lambda: calls.append("closure") or 1.5) == 1.5
     assert calls == (["closure", "step"] if committed else ["closure"])
 
 

@@ -1,7 +1,7 @@
 """fault_tolerance="torchft" with a compressed tied sum (tied_codec): a step that torchft's vote refuses applies no
 update, so it must leave the error-feedback residual of the tied sum as it was; the next committed step then goes on
 exactly as if the refused one had never run. The tied sum runs for real on two gloo ranks (the two stages holding the
-copies); the vote is FaultTolerantFit's gate on the optimizer's step (built as setup() builds it), with torchft's
+copies); the vote is the step driver's gate on the update (its optimizer_step, with torchft's sync), with torchft's
 vote on each step stood in for."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def _grad(step: int, stage: int) -> torch.Tensor:
 def _vote_worker(rank, port, out):
     from lightning_clapping.codecs import get_codec
     from lightning_clapping.comm.ties import TiedGradients
-    from lightning_clapping.fault_tolerance import FaultTolerantFit
-    from lightning_clapping.stage_setup import Patches
+    from lightning_clapping.fault_tolerance import TorchftSync
+    from lightning_clapping.step_driver import StepDriver
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -41,17 +41,14 @@ def _vote_worker(rank, port, out):
                                  timedelta(seconds=20))
             param = model.get_parameter(GROUP.key_on(rank))
             optimizer = torch.optim.SGD([param], lr=0.1)
-            # this rank's fit of replica group 0 of 2, as attach() builds it in setup(): its gate patches the step
-            placement = SimpleNamespace(num_replicas=1, num_stages=2, global_rank=rank, num_ranks=2,
-                                        device=torch.device("cpu"))
-            driver = SimpleNamespace(placement=placement, ties=ties, averager=None)
-            strategy = SimpleNamespace(optimizers=[optimizer], process_dataloader=lambda d: d, teardown=lambda: None)
-            trainer = SimpleNamespace(strategy=strategy, datamodule=None, callbacks=[], global_step=0)
-            config = SimpleNamespace(replica_group=0, num_replica_groups=2, lighthouse="http://localhost:1")
-            patches = Patches()
-            fit = FaultTolerantFit(driver, trainer, config, patches)
+            # this rank's step driver with torchft's sync (replica group 0 of 2), whose vote gates the update
+            sync = TorchftSync.__new__(TorchftSync)
+            sync.config = SimpleNamespace(replica_group=0)
+            driver = StepDriver.__new__(StepDriver)
+            driver.sync, driver.ties, driver._stage_params = sync, ties, []
+            driver.module = SimpleNamespace(trainer=SimpleNamespace(global_step=0))
             for step, committed in votes.items():
-                fit.group = SimpleNamespace(should_commit=lambda c=committed: c)  # torchft's vote on this step
+                sync.group = SimpleNamespace(should_commit=lambda c=committed: c)  # torchft's vote on this step
                 before = {i: r.clone() for i, r in ties.residuals.items()}
                 weight = param.detach().clone()
 
@@ -59,12 +56,12 @@ def _vote_worker(rank, port, out):
                     param.grad = _grad(step, rank)
                     ties.sum_gradients(model, step)
 
-                optimizer.step(closure)  # Lightning's optimizer step: the closure, then the (gated) update
+                # Lightning's optimizer step through the strategy: the closure, then the (gated) update
+                driver.optimizer_step(lambda c: optimizer.step(c), closure)
                 if not committed:
                     residuals["refused_kept"] = (before.keys() == ties.residuals.keys()
                                                  and all(torch.equal(before[i], ties.residuals[i]) for i in before))
                     residuals["refused_no_update"] = torch.equal(weight, param.detach())
-            patches.restore()
             residuals[run] = {i: r.clone() for i, r in ties.residuals.items()}
             residuals[f"{run}_weight"] = param.detach().clone()
         out.put((rank, residuals))

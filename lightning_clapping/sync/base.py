@@ -1,14 +1,17 @@
 """The seam between a training step and the replicas of its stage: :class:`ReplicaSync`.
 
-The step driver calls :meth:`ReplicaSync.on_train_start` before a fit's first step, then these hooks, in this
-order, once per optimizer step:
+The step driver calls :meth:`ReplicaSync.on_train_start` before a fit's first step, :meth:`ReplicaSync.before_batch`
+as each training batch starts, then these hooks, in this order, once per optimizer step:
 
 * :meth:`ReplicaSync.after_backward` when the stage's last backward of the step is done (the pipeline may still be
   draining: a sync can start its collectives here and overlap them);
 * :meth:`ReplicaSync.before_step` before clipping and the optimizer step (the gradients the optimizer sees are
-  final after it);
+  final after it); a mode that :attr:`~ReplicaSync.votes` is then asked to :meth:`~ReplicaSync.commit` the update;
 * :meth:`ReplicaSync.after_step` after the optimizer step (a local-update mode syncs the parameters here);
 * :meth:`ReplicaSync.finish` at the end of a fit.
+
+Around them: :meth:`ReplicaSync.on_loader` for each dataloader the strategy processes and :meth:`ReplicaSync.close`
+at teardown. Fault tolerance (:class:`lightning_clapping.fault_tolerance.TorchftSync`) is a mode that uses them all.
 
 Every mode keeps the replicas' parameters identical wherever the mode says they agree (every-step and LAG: after
 every optimizer step; DiLoCo: after every outer step), and counts what this rank hands to torch.distributed.
@@ -30,9 +33,26 @@ class ReplicaSync:
     name = "none"
     #: whether :meth:`take_bytes` sees every byte this mode sends (a DDP communication hook's are its own)
     counted = True
+    #: whether the replicas vote on each optimizer step (:meth:`commit`); the step driver then runs Lightning's
+    #: closure (training step, backward) first and the update only when the vote commits
+    votes = False
 
     def __init__(self) -> None:
         self._sent = self._raw = 0.0
+
+    def on_loader(self, dataloader: Any) -> Any:
+        """Each dataloader as the strategy processes it (a rejoining replica group takes its position here)."""
+        return dataloader
+
+    def before_batch(self) -> None:
+        """As each training batch starts (before its forward)."""
+
+    def commit(self, step: int) -> bool:
+        """With :attr:`votes`: whether this optimizer step's update runs (the same answer on every replica)."""
+        return True
+
+    def close(self) -> None:
+        """At teardown."""
 
     def on_train_start(self, params: list[torch.nn.Parameter], optimizers: list[Any]) -> None:
         """Before the first training step of a fit (after a checkpoint was loaded, if one was)."""
