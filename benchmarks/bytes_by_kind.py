@@ -4,10 +4,12 @@
 
 A Hugging Face Llama built from its config with tied input embedding and output head and a 32k vocabulary (hidden
 256, 4 layers, batch 8 x 128 tokens), on 2 pipeline stages x 2 replicas (4 processes, Lightning's launcher), trained
-uncompressed and with Clapping-FC q4/q8 (p = 1: every step fresh, so both send the same kinds each step). It reads
-``trainer.strategy.byte_totals`` after ``fit`` and reports, per optimizer step and per replica, the pipeline's
-messages (activations and gradients), the tied sum and the replicas' gradient average, and the ratio of everything
-sent against uncompressed. Saves OUT/bytes_by_kind.json. The byte numbers do not depend on the data (random tokens).
+uncompressed and with Clapping-FC q4/q8 (p = 1: every step fresh, so both send the same kinds each step), then with
+the replica sync modes and a codec on the tied sum (``VARIANTS``; the DiLoCo rows run 32 steps, two or one outer
+intervals). It reads ``trainer.strategy.byte_totals`` after ``fit`` and reports, per optimizer step and per
+replica, the pipeline's messages (activations and gradients), the tied sum and the replicas' sync, and the ratio of
+everything sent against uncompressed every-step training. Saves OUT/bytes_by_kind.json. The tokens are random: the
+byte numbers do not depend on them, except LAG's (which tensors fire depends on the gradients).
 ``--tiny`` (the smoke test): vocabulary 100, hidden 16, two steps.
 """
 
@@ -21,9 +23,23 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lightning_clapping import DiLoCo
+
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = {"uncompressed": {}, "clapping-fc q4/q8": {"variant": "clapping-fc", "forward_codec": "q4",
-                                                     "backward_codec": "q8"}}
+FC = {"variant": "clapping-fc", "forward_codec": "q4", "backward_codec": "q8"}
+SPARSE = "topk:0.05+q4"  # the 5 % largest of each tensor in 4 bits, with positions (23.7x on the 32k x 256 table)
+#: label -> (ClappingStrategy arguments, optimizer steps at least); the DiLoCo rows run 2 outer intervals
+VARIANTS = {
+    "uncompressed": ({}, 0),
+    "clapping-fc q4/q8": (FC, 0),
+    "clapping-fc q4/q8, lag": ({**FC, "replica_sync": "lag"}, 0),
+    "clapping-fc q4/q8, diloco H=16": ({**FC, "replica_sync": DiLoCo(inner_steps=16)}, 32),
+    f"clapping-fc q4/q8, tied {SPARSE}, diloco H=16 {SPARSE}": (
+        {**FC, "tied_codec": SPARSE, "replica_sync": DiLoCo(inner_steps=16, codec=SPARSE)}, 32),
+    f"clapping-fc q4/q8, tied topk:0.02+q4, diloco H=32 {SPARSE}": (
+        {**FC, "tied_codec": "topk:0.02+q4", "replica_sync": DiLoCo(inner_steps=32, codec=SPARSE)}, 32),
+}
+TINY_VARIANTS = ["uncompressed", "clapping-fc q4/q8"]
 
 
 SIZES = {"full": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -56,7 +72,7 @@ def worker(variant: str, steps: int, out: str, size: str = "full") -> None:
     L.seed_everything(0)
     vocab = SIZES[size]["vocab_size"]
     data = TensorDataset(torch.randint(0, vocab, (8 * 2 * steps, 128), generator=torch.Generator().manual_seed(1)))
-    strategy = ClappingStrategy(stages=2, microbatches=2, **VARIANTS[variant])
+    strategy = ClappingStrategy(stages=2, microbatches=2, **VARIANTS[variant][0])
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = TiedLlama()
@@ -81,24 +97,25 @@ def main() -> None:
         return
     size, steps = ("tiny", 2) if args.tiny else ("full", args.steps)  # the first step is sent in full (warm_start)
     rows = []
-    for variant in VARIANTS:
+    for variant in TINY_VARIANTS if args.tiny else VARIANTS:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "totals.json"
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-            subprocess.run([sys.executable, __file__, "--worker", variant, str(steps), str(path), size], cwd=tmp,
-                           env=env, check=True, timeout=1800)
+            runs = str(max(steps, VARIANTS[variant][1]))
+            subprocess.run([sys.executable, __file__, "--worker", variant, runs, str(path), size], cwd=tmp,
+                           env=env, check=True, timeout=3600)
             totals = json.loads(path.read_text())
-        steps = totals["steps"]
-        per_step = {k: totals[k] / steps for k in ("bytes", "tied_bytes", "replica_bytes")}
+        done = totals["steps"]
+        per_step = {k: totals[k] / done for k in ("bytes", "tied_bytes", "replica_bytes")}
         per_step["pipeline_messages"] = per_step["bytes"] - per_step["tied_bytes"] - per_step["replica_bytes"]
-        rows.append({"variant": variant, "steps": steps, "gradient_bytes": totals["gradient_bytes"],
+        rows.append({"variant": variant, "steps": done, "gradient_bytes": totals["gradient_bytes"],
                      **{f"{k}_per_step": v for k, v in per_step.items()}})
     base = rows[0]["bytes_per_step"]
-    print(f"{'per step, one replica (MB)':28s} {'pipeline msgs':>14s} {'tied sum':>10s} {'replica avg':>12s} "
+    print(f"{'per step, one replica (MB)':66s} {'pipeline msgs':>14s} {'tied sum':>10s} {'replica avg':>12s} "
           f"{'all':>10s} {'fewer bytes':>12s}")
     for r in rows:
         r["fewer_bytes"] = base / r["bytes_per_step"]
-        print(f"{r['variant']:28s} {r['pipeline_messages_per_step'] / 1e6:14.2f} {r['tied_bytes_per_step'] / 1e6:10.2f} "
+        print(f"{r['variant']:66s} {r['pipeline_messages_per_step'] / 1e6:14.2f} {r['tied_bytes_per_step'] / 1e6:10.2f} "
               f"{r['replica_bytes_per_step'] / 1e6:12.2f} {r['bytes_per_step'] / 1e6:10.2f} {r['fewer_bytes']:11.3f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
