@@ -1,5 +1,4 @@
-"""Lazy sampling in Lightning's fit loop: all that talks to a ``Trainer`` (its private parts through ``_compat``);
-the Lightning-free engine is :mod:`lightning_clapping.lazy`."""
+"""Lazy sampling in Lightning's fit loop (``Trainer`` internals through ``_compat``); the engine is in ``lazy/``."""
 
 from __future__ import annotations
 
@@ -19,29 +18,20 @@ __all__ = ["BatchInfo", "LazySamplingDataModule", "LazySamplingLoader", "find_la
 
 
 class LazySamplingLoader(LazySampler):
-    """Lazy-sampling view of a train loader: a fresh batch with probability ``p``, else the previous batch again.
+    """Lazy-sampling view of a train loader: a fresh batch with probability ``p``, else the very objects of the step
+    before (do not modify a batch in place). Epochs, ``len()`` and exact resumes: README, "Lazy sampling".
 
     Args:
         source: a ``torch.utils.data.DataLoader`` (map-style or iterable dataset) or any iterable of batches.
-        p: probability of a fresh batch at a step, in (0, 1]; ``p = 1`` reproduces ``source`` exactly. Or a
-            schedule ``{first_step: p}`` that must name step 0, e.g. ``{0: 0.5, 2000: 1.0}``: its steps count the
-            batches the loader has yielded since training began (optimizer steps times ``accumulate_grad_batches``),
-            and each p holds from its step to the next entry's. Decisions still depend on (seed, step) only, so
-            stages agree and a resumed run repeats the uninterrupted one.
+        p: probability of a fresh batch at a step, in (0, 1] (1: ``source`` exactly), or a schedule ``{first_step: p}``.
         seed: seed of the decision stream; every pipeline stage must use the same one.
-        num_replicas, replica_rank: data-parallel replicas. With ``num_replicas > 1`` a map-style ``source`` is
-            sharded like ``DistributedSampler(shuffle=<source shuffles>, seed=seed)``; decisions ignore the rank.
-
-    A reused step yields the very objects of the step before (do not modify a batch in place). An epoch is one pass
-    of the source by fresh draws and ``len()`` its exact number of steps. Bound to the trainer (``bind_trainer``, which
-    the data module does), the loader sets the fit loop's batch count at each epoch's start and checkpoints at the
-    batch the trainer has consumed, so a resumed run repeats the uninterrupted one; warnings say when it cannot.
+        num_replicas, replica_rank: data-parallel replicas sharding a map-style ``source``; decisions ignore the rank.
     """
 
     _trainer_ref: Any = None  # a weak reference to the bound trainer
 
     def bind_trainer(self, trainer: Any) -> None:
-        """Link the loader (weakly) to the trainer that trains on it, before ``fit``."""
+        """Link the loader (weakly) to its trainer before ``fit``: epoch lengths and checkpoints follow the fit loop."""
         try:
             self._trainer_ref = weakref.ref(trainer)
         except TypeError:  # None, or an object without weak references (a test double): unbound
@@ -69,11 +59,8 @@ class LazySamplingLoader(LazySampler):
 
 
 class LazySamplingDataModule(LightningDataModule):
-    """Lazy sampling around a ``LightningDataModule`` (or a bare train DataLoader / iterable); the arguments are
-    :class:`LazySamplingLoader`'s. ``train_dataloader()`` is one such loader over the wrapped ``train_dataloader()``
-    (reloaded ones are drawn from from the next epoch on); ``setup``, ``state_dict``, the hooks the wrapped module
-    defines and unknown attributes go to the wrapped module. The loader's state is kept here too: Lightning restores
-    data modules before it reads the train loader's length, the fit loop's copy of the state after that."""
+    """Lazy sampling around a ``LightningDataModule`` or a train loader: a :class:`LazySamplingLoader` (same arguments)
+    over its ``train_dataloader()``; ``setup``, ``state_dict``, hooks it defines and unknown attributes pass through."""
 
     PASS_THROUGH = ("prepare_data", "teardown", "on_exception", "val_dataloader", "test_dataloader",
                     "predict_dataloader", "transfer_batch_to_device", "on_before_batch_transfer",
@@ -111,7 +98,7 @@ class LazySamplingDataModule(LightningDataModule):
             self.wrapped.trainer = self.trainer
             self.wrapped.setup(stage)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # the loader's too: the fit loop's copy is restored after len() is read
         state = {"wrapped": self.wrapped.state_dict() if self.wrapped is not None else {}}
         return state if self.loader is None else {**state, "lazy_loader": self.loader.state_dict()}
 
@@ -158,8 +145,7 @@ def _search(obj: Any, depth: int = 0) -> Optional[LazySamplingLoader]:
 
 
 def find_lazy_loader(trainer: Any) -> Optional[LazySamplingLoader]:
-    """The :class:`LazySamplingLoader` the trainer trains on (in ``trainer.train_dataloader``, else the data module's)
-    or ``None``, bound to the trainer so that its checkpoints account for Lightning's prefetching."""
+    """The :class:`LazySamplingLoader` the trainer trains on (else the data module's), bound to it; or ``None``."""
     found = _search(getattr(trainer, "train_dataloader", None))
     if found is None and isinstance(getattr(trainer, "datamodule", None), LazySamplingDataModule):
         found = trainer.datamodule.loader

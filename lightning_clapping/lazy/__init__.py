@@ -1,2 +1,1 @@
-"""Lazy sampling: reuse a mini-batch for a random window, identically on every stage, resumable exactly. No
-Lightning imports."""
+"""Lazy sampling's Lightning-free engine: reuse a mini-batch for a random window, alike on every stage, resumable."""

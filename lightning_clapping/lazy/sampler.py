@@ -1,5 +1,4 @@
-"""The lazy-sampling engine: decisions, epochs, each batch's :class:`BatchInfo` and the checkpoint state (kept after
-the last two yields: Lightning fetches one batch ahead of a source without length and checkpoints the one it took)."""
+"""The lazy-sampling engine: decisions, epochs, each batch's :class:`BatchInfo` and the checkpoint state."""
 
 from __future__ import annotations
 
@@ -24,61 +23,44 @@ _MASK64, _GAMMA = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 @dataclass(frozen=True)
 class BatchInfo:
-    """What the pipeline knows about one training batch.
+    """What the pipeline knows about one training batch."""
 
-    Attributes:
-        fresh: drawn fresh at this step (r_t = 1); ``False``: the previous batch again.
-        batch_id: fresh draws since training began, minus one: the same for every step of a reuse window.
-        sample_ids: ``LongTensor`` of the batch's samples in order: dataset indices for a map-style ``DataLoader``,
-            a running count of the samples read for other sources; ``None`` when unknown.
-        distinct_samples: samples read so far, this batch included; a reused batch adds nothing (the data budget).
-        step: batches the loader yielded before this one since training began.
-    """
-
-    fresh: bool
-    batch_id: int
+    fresh: bool  #: drawn fresh at this step (r_t = 1); ``False``: the previous batch again
+    batch_id: int  #: fresh draws since training began, minus one: the same for every step of a reuse window
+    #: ``LongTensor`` of the batch's samples in order: dataset indices for a map-style ``DataLoader``, a running count
+    #: of the samples read for other sources; ``None`` when unknown
     sample_ids: Optional[Tensor] = field(compare=False)
-    distinct_samples: int
-    step: int
+    distinct_samples: int  #: samples read so far, this batch included; a reused batch adds nothing (the data budget)
+    step: int  #: batches the loader yielded before this one since training began
 
 
-def _check_probability(p: Any, what: str) -> float:
-    if not (isinstance(p, numbers.Real) and not isinstance(p, bool) and math.isfinite(p) and 0.0 < p <= 1.0):
-        raise ValueError(f"{what} must be a number in the range (0, 1]: it is the probability of drawing a fresh "
-                         f"mini-batch at each training step (p = 1: no reuse; smaller p: about 1/p steps per batch). "
-                         f"Got {p!r}.")
-    return float(p)
-
-
-def check_p(p: Any) -> float | dict[int, float]:
-    """``p`` as a float, or a schedule ``{first_step: p}`` as a dict sorted by step (step 0 included)."""
-    if not isinstance(p, Mapping):
-        return _check_probability(p, "p")
-    for step in p:
-        if not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
-            raise ValueError(f"a schedule of p maps loader steps (ints >= 0: batches the loader has yielded since "
-                             f"training began) to probabilities, got the key {step!r} in {dict(p)!r}")
-    if 0 not in p:
-        raise ValueError(f"a schedule of p must say what p is from step 0, e.g. {{0: 0.5, 1000: 1.0}}; got "
-                         f"{dict(p)!r}")
-    return {int(step): _check_probability(p[step], f"p from step {step}") for step in sorted(p)}
+def _as_schedule(p: Any) -> Any:  # a float p is the schedule {0: p}: both spellings of one p compare equal
+    return p if isinstance(p, Mapping) else {0: p}
 
 
 def check_settings(p: Any, seed: Any, num_replicas: Any, replica_rank: Any) -> tuple[Any, int, int, int]:
-    p = check_p(p)
+    """The settings checked; ``p`` a float, or a schedule ``{first_step: p}`` as a dict sorted by step."""
+    schedule = _as_schedule(p)
     ints = [isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (seed, num_replicas, replica_rank)]
+    for step in schedule:
+        if not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
+            raise ValueError(f"a schedule of p maps loader steps (ints >= 0: batches the loader has yielded since "
+                             f"training began) to probabilities, got the key {step!r} in {dict(p)!r}")
+    if 0 not in schedule:
+        raise ValueError(f"a schedule of p must say what p is from step 0, e.g. {{0: 0.5, 1000: 1.0}}; got {dict(p)!r}")
+    for step, q in sorted(schedule.items()):
+        if not (isinstance(q, numbers.Real) and not isinstance(q, bool) and math.isfinite(q) and 0.0 < q <= 1.0):
+            raise ValueError(f"{'p' if schedule is not p else f'p from step {step}'} must be a number in the range "
+                             "(0, 1]: it is the probability of drawing a fresh mini-batch at each training step (p = 1:"
+                             f" no reuse; smaller p: about 1/p steps per batch). Got {q!r}.")
     if not ints[0]:
         raise ValueError(f"seed must be an int (shared by all pipeline stages), got {seed!r}.")
     if not ints[1] or num_replicas < 1:
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
     if not ints[2] or not 0 <= replica_rank < num_replicas:
         raise ValueError(f"replica_rank must be an int in [0, num_replicas={num_replicas}), got {replica_rank!r}.")
+    p = {int(step): float(q) for step, q in sorted(schedule.items())} if schedule is p else float(p)
     return p, int(seed), int(num_replicas), int(replica_rank)
-
-
-def _as_schedule(p: Any) -> Any:
-    """A checked p as a schedule (a float p is ``{0: p}``), so that the two spellings of one p compare equal."""
-    return p if isinstance(p, Mapping) else {0: p}
 
 
 def _mix64(z: int) -> int:
@@ -102,8 +84,7 @@ class LazySampler:
     def __init__(self, source: Iterable, p: float | dict[int, float] = 0.5, seed: int = 0, num_replicas: int = 1,
                  replica_rank: int = 0) -> None:
         self.p, self.seed, self.num_replicas, self.replica_rank = check_settings(p, seed, num_replicas, replica_rank)
-        schedule = _as_schedule(self.p)
-        self._p_steps, self._p_values = list(schedule), list(schedule.values())
+        self._p_steps, self._p_values = zip(*_as_schedule(self.p).items())
         if isinstance(source, LazySampler):
             raise ValueError("source is already a LazySamplingLoader; wrap the underlying loader instead.")
         if not isinstance(source, Iterable):
@@ -118,7 +99,7 @@ class LazySampler:
         self._length = (-1, -1, 0)  # (first step, batches, steps) of the last epoch simulated
         self._leave_epoch(ended=False)
 
-    def _trainer_ready(self) -> Optional[int]:  # the trainer's next batch_idx (None without one): see data.py
+    def _trainer_ready(self) -> Optional[int]:  # the next batch_idx of a trainer (it fetches one ahead), else None
         return None
 
     def _sync_trainer_length(self, length: int) -> None:  # at an epoch's first step, its length for the trainer
@@ -131,14 +112,10 @@ class LazySampler:
     def mean_p(self, first: int, end: float) -> float:
         """The mean of ``p_at(t)`` over loader steps ``first <= t < end``: the fraction of them expected to be fresh
         (``end`` infinite: the p that holds for ever; ``end <= first``: ``p_at(first)``)."""
-        if not math.isfinite(end):
-            return self._p_values[-1]
-        if end <= first:
-            return self.p_at(first)
-        total = 0.0
-        for start, stop, p in zip(self._p_steps, self._p_steps[1:] + [math.inf], self._p_values):
-            total += max(0.0, min(stop, end) - max(start, first)) * p
-        return total / (end - first)
+        if end <= first or not math.isfinite(end):
+            return self.p_at(first if math.isfinite(end) else math.inf)
+        spans = zip(self._p_steps, (*self._p_steps[1:], math.inf), self._p_values)
+        return sum(max(0.0, min(stop, end) - max(start, first)) * p for start, stop, p in spans) / (end - first)
 
     def _fresh_at(self, step: int) -> bool:
         """Step t is fresh when ``u(seed, t) < p_at(t)``, ``u`` the t-th uniform of a counter-based SplitMix64 stream:
@@ -178,13 +155,12 @@ class LazySampler:
         return None if n is None else self._length[2]
 
     def _at_epoch_end(self) -> bool:
-        length = self._epoch_length()
-        return length is not None and self._pos >= length
+        return (length := self._epoch_length()) is not None and self._pos >= length
 
-    def _leave_epoch(self, ended: bool = True) -> None:  # the infos stay for the epoch's last batches
+    def _leave_epoch(self, ended: bool = True, reopen: bool = False) -> None:  # the infos stay for its last batches
         self._source.end()
         self._epoch += int(ended)
-        self._running = self._open = False
+        self._running, self._open = False, reopen
         self._pos = self._fresh = 0  # batches yielded and fresh draws in the epoch
         self._batch = self._ids = self._wrapped_state = None
         self._remember_state(clear=True)  # what a checkpoint between epochs holds
@@ -207,9 +183,15 @@ class LazySampler:
             raise StopIteration
         if not self._running:
             if self._pos and self._at_epoch_end():
-                self._leave_epoch()  # restored after an epoch's last step: on with the next, as a new pass would
-                self._open = True
-            self._begin()
+                self._leave_epoch(reopen=True)  # restored after an epoch's last step: on with the next, as a new pass
+            if self._pos == 0:
+                self._source.begin(self._epoch)
+            ready = self._trainer_ready()
+            self._offset, self._running = 0 if ready is None else ready - self._pos, True
+            self._infos.clear()
+            self._remember_state(clear=True)
+            if (length := self._epoch_length()) is not None:
+                self._sync_trainer_length(self._offset + length)
         t = self.step
         fresh = self._pos == 0 or self._batch is None or self._fresh_at(t)
         if fresh:
@@ -226,16 +208,6 @@ class LazySampler:
         self.step, self._pos = t + 1, self._pos + 1
         self._remember_state()
         return self._batch
-
-    def _begin(self) -> None:
-        if self._pos == 0:
-            self._source.begin(self._epoch)
-        ready = self._trainer_ready()
-        self._offset, self._running = 0 if ready is None else ready - self._pos, True
-        self._infos.clear()
-        self._remember_state(clear=True)
-        if (length := self._epoch_length()) is not None:
-            self._sync_trainer_length(self._offset + length)
 
     def _remember_state(self, clear: bool = False) -> None:  # a checkpoint's state now, by the next batch_idx
         if clear:

@@ -1,6 +1,4 @@
-"""Where fresh batches come from: ``draw(k, samples_seen)`` is the k-th batch of a pass of the wrapped loader, from a
-:class:`MapSource` (a map-style ``DataLoader``: its order drawn here, so every batch's dataset indices are known) or
-an :class:`IterSource` (any other iterable)."""
+"""Where fresh batches come from: ``draw(k, samples_seen)`` is the k-th batch of a pass of the wrapped loader."""
 
 from __future__ import annotations
 
@@ -12,7 +10,6 @@ from itertools import islice
 from typing import Any, Optional
 
 import torch
-from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 from torch.utils.data import SequentialSampler
 
@@ -126,18 +123,16 @@ class MapSource:
 
     def _load(self, items: list) -> Iterable:  # the batches of these index batches, loaded as the wrapped loader would
         if self._inner is None:
-            loader = self.wrapped
-            kwargs = {name: getattr(loader, name) for name in _INNER_LOADER_ARGS if hasattr(loader, name)}
-            if hasattr(loader, "in_order"):
+            kwargs = {name: getattr(self.wrapped, name) for name in _INNER_LOADER_ARGS if hasattr(self.wrapped, name)}
+            if hasattr(self.wrapped, "in_order"):
                 kwargs["in_order"] = True  # the k-th batch received must be the k-th index batch handed out
             feed = {"batch_sampler": self._feed} if self.auto_collation else {"batch_size": None, "sampler": self._feed}
-            self._inner = DataLoader(loader.dataset, generator=torch.Generator(), **feed, **kwargs)
+            self._inner = DataLoader(self.wrapped.dataset, generator=torch.Generator(), **feed, **kwargs)
         self._feed[:] = items
         self._inner.generator.manual_seed(self._base_seed & _SEED_MASK)  # type: ignore[union-attr]
         return iter(self._inner)
 
-    def draw(self, k: int, samples_seen: int) -> tuple[Any, Tensor, int, None]:
-        assert self.order is not None
+    def draw(self, k: int, samples_seen: int) -> tuple[Any, torch.Tensor, int, None]:
         if self._iter is None:
             self._iter = self._load(self.order[k:])
         batch, item = next(self._iter), self.order[k]
@@ -168,13 +163,13 @@ class IterSource:
 
     end = begin  # both start the next pass from the beginning
 
-    def draw(self, k: int, samples_seen: int) -> tuple[Any, Optional[Tensor], int, Any]:
+    def draw(self, k: int, samples_seen: int) -> tuple[Any, Optional[torch.Tensor], int, Any]:
         if (n := self.num_batches()) is not None and k >= n:
             raise StopIteration  # a sized iterable yielding more than len() batches: len() stays exact
         if self._iter is None:
             self._iter = iter(self.wrapped)
         batch = next(self._iter)
-        first = next((x for x in tree_flatten(batch)[0] if isinstance(x, Tensor) and x.dim() > 0), None)
+        first = next((x for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         count = int(first.shape[0]) if first is not None else len(batch) if isinstance(batch, (list, tuple)) else None
         ids = None if count is None else torch.arange(samples_seen, samples_seen + count, dtype=torch.long)
         return batch, ids, int(count or 0), self.wrapped.state_dict() if self.stateful else None  # type: ignore
