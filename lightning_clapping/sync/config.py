@@ -34,11 +34,16 @@ class LAG:
     ``memory`` D = 10 and ``xi_d = 1 / D`` (``threshold`` = 1). ``lr`` is the step size alpha of the trigger
     (``None``: the optimizer's first parameter group's learning rate at each step). ``threshold=0`` sends every
     changed gradient (every-step averaging, to rounding).
+
+    ``reference="average"`` replaces ``||p_(k+1-d) - p_(k-d)||^2 / lr^2`` by ``||S_(k-d)||^2``, the squared norm of
+    the averaged gradient the optimizer stepped with: the same quantity under gradient descent, and one that Adam's
+    per-coordinate steps do not inflate (see :mod:`lightning_clapping.sync.lag`).
     """
 
     threshold: float = 1.0
     memory: int = 10
     lr: float | None = None
+    reference: str = "steps"
 
     name = "lag"
 
@@ -97,6 +102,8 @@ def _check(mode: Any) -> None:
             raise ValueError(f"LAG needs threshold >= 0 and memory >= 1, got {mode}")
         if mode.lr is not None and mode.lr <= 0:
             raise ValueError(f"LAG(lr=...) is the trigger's step size and must be > 0, got {mode.lr}")
+        if mode.reference not in ("steps", "average"):
+            raise ValueError(f"LAG(reference=...) is 'steps' (the paper's) or 'average', got {mode.reference!r}")
     if isinstance(mode, DiLoCo):
         if mode.inner_steps < 1 or mode.fragments < 1 or mode.fragments > mode.inner_steps:
             raise ValueError(f"DiLoCo needs inner_steps >= 1 and 1 <= fragments <= inner_steps, got {mode}")

@@ -24,6 +24,7 @@ CONFIGS = {  # name: (replica_sync, max_steps, optimizer)
     "every": ("every-step", 6, "sgd"),
     "lag0": (LAG(threshold=0.0), 6, "sgd"),
     "lag": (LAG(), 6, "sgd"),
+    "lag_avg0": (LAG(threshold=0.0, reference="average"), 6, "sgd"),
     "diloco1": (DiLoCo(inner_steps=1, outer_lr=1.0, momentum=0.0), 6, "sgd"),
     "diloco3": (DiLoCo(inner_steps=3), 6, "adam"),
     "diloco4_end": (DiLoCo(inner_steps=4), 6, "sgd"),  # the fit ends 2 steps after its last sync

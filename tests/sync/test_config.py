@@ -20,6 +20,7 @@ def test_mode_names_and_config_dicts_give_the_modes_with_their_constants():
     (DiLoCo(inner_steps=4, fragments=5), "fragments <= inner_steps"),
     (DiLoCo(codec="q3x"), "is not a codec"),
     (LAG(memory=0), "memory >= 1"),
+    (LAG(reference="grad"), "'steps' \\(the paper's\\) or 'average'"),
     (3, "must be 'every-step'"),
 ])
 def test_bad_settings_are_refused_naming_the_setting(value, words):

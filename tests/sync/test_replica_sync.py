@@ -20,7 +20,7 @@ if _TESTS not in sys.path:
 
 from conftest import launch_forked  # noqa: E402
 
-CONFIGS = ("every,lag0,lag,diloco1,diloco3,diloco4_end,diloco3_q8,diloco2_frag,diloco3_first,diloco3_rest,"
+CONFIGS = ("every,lag0,lag_avg0,lag,diloco1,diloco3,diloco4_end,diloco3_q8,diloco2_frag,diloco3_first,diloco3_rest,"
            "lag_first,lag_rest,diloco3_q8_first,diloco3_q8_rest,every_rest")
 STAGE_PARAMS = {0: 1600, 1: 1188}  # SequentialMLP cut at net.4: parameters per stage (2 + 2 tensors on stage 0,
 TENSORS = {0: 4, 1: 4}             # 4 on stage 1: net.4 and net.6)
@@ -55,9 +55,9 @@ def _replicas_apart(runs, name: str) -> float:
     return max(diffs)
 
 
-@pytest.mark.parametrize("name", ["lag0", "diloco1"])
+@pytest.mark.parametrize("name", ["lag0", "lag_avg0", "diloco1"])
 def test_lag_with_a_zero_threshold_and_diloco_with_one_inner_step_equal_every_step_averaging(runs, name):
-    # LAG(threshold=0) sends every changed gradient; DiLoCo(inner_steps=1, outer_lr=1, momentum=0) under SGD
+    # LAG(threshold=0) sends every changed gradient (whatever its reference); DiLoCo(inner_steps=1, outer_lr=1, momentum=0) under SGD
     # applies the average of the replicas' SGD steps: both are every-step averaging
     assert _max_diff(runs.weights(name), runs.weights("every")) <= 1e-5
 
