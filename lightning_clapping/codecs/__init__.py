@@ -49,18 +49,21 @@ Everything runs in eager PyTorch, no compiler needed; ``benchmarks/codec_speed.p
 plain memory copy. A first ``torch.compile`` of the quantizer's steps (dynamic shapes) ran slower than this eager code
 on the project's CPU, so there is no compiled path.
 
-The families live in one module each: :mod:`.casts` (identity and casts), :mod:`.quant` (the quantizer),
-:mod:`.sparse` (top-k, rand-k) and :mod:`.lowrank` (low-rank factors); :mod:`.base` holds the :class:`Codec`
-contract and the NaN/inf check, and :mod:`.registry` the names. Writing a codec takes a few lines: subclass
-:class:`Codec` and register a factory (see its docstring). The bit packing lives in
-:mod:`lightning_clapping.codecs.bitpack` (``pack_bits``, ``unpack_bits`` and ``packed_nbytes`` are re-exported here).
+The families live in one module each: :mod:`.casts` (identity and casts), :mod:`.quant` (the quantizer, with its
+optional numba kernels in :mod:`.fused_cpu`), :mod:`.sparse` (top-k, rand-k) and :mod:`.lowrank` (low-rank
+factors); :mod:`.base` holds the :class:`Codec` contract and the NaN/inf check, and :mod:`.registry` the names.
+Writing a codec takes a few lines: subclass :class:`Codec` and register a factory (see its docstring). The bit
+packing lives in :mod:`lightning_clapping.bitpack`, below this package and the wire (``pack_bits``, ``unpack_bits``
+and ``packed_nbytes`` are re-exported here). The error-feedback rules that use the codecs on a boundary are
+:mod:`.feedback` (one class per variant, in :mod:`.rules`); they are not imported here, so a codec can be used
+without them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
+from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs.base import Codec, NonFiniteError, check_finite
 from lightning_clapping.codecs.casts import CAST_NAMES, CastCodec, IdentityCodec, cast_factory
 from lightning_clapping.codecs.lowrank import LowRankCodec, lowrank_factory

@@ -1,4 +1,9 @@
-"""The codec contract (:class:`Codec`), the refusal of NaN and inf, and helpers the built-in codecs share."""
+"""The codec contract (:class:`Codec`), the refusal of NaN and inf, and helpers the built-in codecs share.
+
+A codec also checks what arrives for it (:meth:`Codec.check_received`): the wire
+(:mod:`lightning_clapping.comm.wire`) sits below the codecs and knows the framing only, so it asks the codec whether
+a payload is one the codec makes instead of knowing each codec's layout (top-k's indices are top-k's own check).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ import torch
 from torch import Tensor
 
 __all__ = ["Codec", "NonFiniteError", "check_finite"]
+
+#: what sizing or checking a payload from a peer may raise on nonsense (a shape whose size overflows, ...)
+_CHECK_ERRORS = (RuntimeError, ValueError, IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError)
 
 
 class NonFiniteError(ValueError):
@@ -62,6 +70,9 @@ class Codec(abc.ABC):
     * ``payload_nbytes(shape, dtype)`` is exactly ``encode(x).numel()`` for every ``x`` of that shape and dtype, so a
       receiver can post its receive before the message arrives.
     * Randomness comes only from ``seed`` (a ``torch.Generator`` seeded from it): the same call gives the same bytes.
+    * ``check_received(payload, shape, dtype)`` raises ValueError, saying why, for a payload from a peer that this
+      codec cannot have made; the default checks the dtype and the length, a codec whose decoder indexes with what
+      it reads checks that too (see :meth:`check_received`).
 
     A user codec, registered in a few lines::
 
@@ -114,6 +125,26 @@ class Codec(abc.ABC):
                 f"{self.name}: payload has {payload.numel()} bytes, expected {expected} for shape {tuple(shape)} {dtype}"
             )
         return math.prod(shape)
+
+    def check_received(self, payload: Tensor, shape: Sequence[int], dtype: torch.dtype, *,
+                       indices: bool | None = None) -> None:
+        """Raise ValueError, saying what is wrong, unless ``payload`` (from a peer) is what this codec makes of a
+        tensor of ``shape`` and ``dtype``: a floating dtype, and exactly :meth:`payload_nbytes` bytes of 1-D uint8.
+
+        ``indices``: also check the positions the decoder writes to, for a codec that reads them from the payload
+        (None: where an index past the end would abort the process instead of raising, i.e. off the CPU). The wire
+        calls this before it decodes (:func:`lightning_clapping.comm.wire.check_codec_payload`), and names the
+        message in the error."""
+        if not dtype.is_floating_point:
+            raise ValueError("a codec payload stands for a floating tensor")
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"a payload is 1-D torch.uint8, got {payload.dtype} of shape {tuple(payload.shape)}")
+        try:
+            expected = self.payload_nbytes(shape, dtype)
+        except _CHECK_ERRORS as err:
+            raise ValueError(f"the codec cannot size it ({err})") from None
+        if payload.numel() != expected:
+            raise ValueError(f"{payload.numel()} bytes, the codec makes {expected}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

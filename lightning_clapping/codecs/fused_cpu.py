@@ -19,6 +19,10 @@ rows (see :func:`applies`). Everything else, and every machine without numba, ta
 are faster fused too, but they cost about a millisecond or less either way; leaving them eager spares a process that
 only sends small tensors the import of numba and the check at its first message (numba caches the compiled kernels
 on disk, so compiling is paid once per machine). The kernels run on one thread.
+
+This module imports nothing of the codecs: the quantizer uses the kernels, and the kernels are checked against the
+quantizer's eager code, which :mod:`.quant` hands over when it is imported (:func:`use_reference`). So the
+dependency runs one way, ``quant`` -> ``fused_cpu``; the check still runs on first use, with the real eager code.
 """
 
 from __future__ import annotations
@@ -26,16 +30,29 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_VALUES", "applies", "available", "column_absmax", "decode_planes", "eager", "encode_planes"]
+__all__ = ["MIN_VALUES", "applies", "available", "column_absmax", "decode_planes", "eager", "encode_planes",
+           "use_reference"]
 
 MIN_VALUES = 1 << 16
 _WIDTHS = (2, 4, 8)
 _kernels = None
 _suspended = 0
+#: ``reference(bits)``: the eager per-channel quantizer the kernels must match (see :func:`use_reference`)
+_reference: Callable[[int], Any] | None = None
+
+
+def use_reference(reference: Callable[[int], Any]) -> None:
+    """Check the kernels, at their first use, against ``reference(bits)``: the eager per-channel quantizer of
+    ``bits`` bits (its ``levels``, ``top_code``, ``encode`` and ``decode``). :mod:`.quant` calls it with
+    ``QuantCodec`` when it is imported; until then the kernels are not used."""
+    global _reference
+    _reference = reference
 
 
 def available() -> bool:
@@ -66,9 +83,12 @@ def applies(x: Tensor, bits: int) -> bool:
 
 
 def _load():
-    """The kernels, or None (numba absent, broken, or not matching this torch's rounding); decided once."""
+    """The kernels, or None (numba absent, broken, or not matching this torch's rounding); decided once, after
+    :func:`use_reference` gave the eager code to check them against."""
     global _kernels
     if _kernels is None:
+        if _reference is None:  # nothing to check them against yet: stay eager, decide at a later call
+            return None
         _kernels = _checked_kernels() or False
     return _kernels or None
 
@@ -95,14 +115,13 @@ def _checked_kernels():
 
 def _matches_eager(kernels) -> bool:
     """Whether the kernels write this torch's eager bytes and decoded values, checked on values at the midpoints
-    between codes, where a multiply-add rounded once and one rounded twice give different codes."""
-    from lightning_clapping.codecs.quant import QuantCodec
-
+    between codes, where a multiply-add rounded once and one rounded twice give different codes (the eager code is
+    :data:`_reference`'s)."""
     g = torch.Generator().manual_seed(0)
     rows, cols = 64, 256
     scale = torch.rand(cols, generator=g) * 100 + 1e-3
     for bits in _WIDTHS:
-        codec = QuantCodec(bits)
+        codec = _reference(bits)
         steps = torch.randint(-codec.levels, codec.levels, (rows, cols), generator=g)
         x = (steps + 0.5) / codec.levels * scale
         x[0], x[1] = scale, -scale

@@ -1,4 +1,9 @@
-"""The symmetric uniform quantizer ``q<b>``: b-bit codes, bit-packed, plus one scale per channel, group or tensor."""
+"""The symmetric uniform quantizer ``q<b>``: b-bit codes, bit-packed, plus one scale per channel, group or tensor.
+
+The eager code here is the reference: the fused CPU kernels (:mod:`.fused_cpu`) run only where they give its bytes
+and values bit for bit, which they check against :class:`QuantCodec` at first use. This module hands the class over
+(``fused_cpu.use_reference``) rather than ``fused_cpu`` importing it, so the two modules do not import each other.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,8 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs import fused_cpu
-from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
 from lightning_clapping.codecs.base import BuiltinCodec, bytes_as, raise_non_finite, require_float, seeded
 
 __all__ = ["QuantCodec", "quant_factory"]
@@ -105,7 +110,7 @@ class QuantCodec(BuiltinCodec):
     times the message's largest one have fewer significant bits (fp16 subnormals), and those below about ``2**-38``
     times it are sent as that smallest step (their values mostly decode to zero); a non-zero scale never becomes
     zero. With float32 scales nothing changes: ``q4`` means what it always meant.
-    Codes are packed by :func:`~lightning_clapping.codecs.bitpack.pack_bits`; an empty tensor has an empty payload.
+    Codes are packed by :func:`~lightning_clapping.bitpack.pack_bits`; an empty tensor has an empty payload.
     Tiny and subnormal scales keep the full grid (codes are then computed in float64); decoded values round to
     float32's subnormal spacing, ``2**-149``.
     """
@@ -352,3 +357,6 @@ def quant_factory(bits: int):
         return QuantCodec(bits, scale, group, stochastic, scale_dtype)
 
     return factory
+
+
+fused_cpu.use_reference(QuantCodec)  # the eager code the fused kernels are checked against

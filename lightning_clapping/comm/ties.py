@@ -1,10 +1,10 @@
 """Tied parameters across stages: every stage that uses a tied tensor trains a copy, and the copies stay identical.
 
 A tensor shared by units of several stages (GPT-2's ``lm_head.weight is transformer.wte.weight``: the input
-embedding on the first stage, the output head on the last) is a
-:class:`~lightning_clapping.pipeline.partition.TiedGroup` of the partition. Each of its stages keeps its own copy
-(releasing the other stages' units replaces the parameter on those modules only), computes its part of the gradient, and then, after the last backward of a step and before
-clipping and the optimizer step, :meth:`TiedGradients.sum_gradients` makes every copy's gradient the whole one:
+embedding on the first stage, the output head on the last) is a :class:`TiedGroup` of the partition. Each of its
+stages keeps its own copy (releasing the other stages' units replaces the parameter on those modules only),
+computes its part of the gradient, and then, after the last backward of a step and before clipping and the
+optimizer step, :meth:`TiedGradients.sum_gradients` makes every copy's gradient the whole one:
 
 * every member sends its gradient to every other member, point to point over the pipeline's group;
 * every member adds the members' gradients **in stage order**, starting from the first member's, so all of them
@@ -21,11 +21,18 @@ the loss scaler skips the step everywhere; the residual is kept for the next ste
 
 Per step and group of ``k`` copies the pipeline sends ``k (k - 1)`` payloads (uncompressed: the tensor's bytes), once
 per optimizer step (not per accumulated batch). :meth:`TiedGradients.step_bytes` says how many, for the byte totals.
+
+Why :class:`TiedGroup` is defined here, and the codec is typed by :class:`~lightning_clapping.comm.wire.PayloadCodec`:
+``comm/`` sits below ``pipeline/`` and ``codecs/`` and imports neither. The partition
+(:mod:`lightning_clapping.pipeline.partition`, which re-exports the name) builds the groups this module sums over, and
+any codec of :mod:`lightning_clapping.codecs` has what the sum asks of it (encode, decode, sizes, the check of a
+payload that arrived).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -33,13 +40,34 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_clapping.codecs import Codec
 from lightning_clapping.comm.p2p import P2PQueue
-from lightning_clapping.comm.wire import WireError, decode_payload
-from lightning_clapping.pipeline.partition import TiedGroup
+from lightning_clapping.comm.wire import PayloadCodec, WireError, decode_payload
 
 #: tags of the tied messages: ``TAG_BASE + group index`` (the pipeline's own tags are below 4_000_000)
 TAG_BASE = 4_000_000
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One tensor that units of several stages share (tied weights, e.g. an input embedding and an output head).
+
+    Every stage in :attr:`stages` holds its own copy (each trains it; their gradients are summed over those stages
+    every step, see :class:`TiedGradients`, so the copies stay identical); a checkpoint saves it once. The partition
+    (:func:`lightning_clapping.pipeline.partition.build_partition`) finds them.
+    """
+
+    #: the tensor's state-dict keys, in registration order, and the stage of each
+    keys: tuple[str, ...]
+    key_stages: tuple[int, ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages that hold a copy, in order."""
+        return tuple(sorted(set(self.key_stages)))
+
+    def key_on(self, stage: int) -> str | None:
+        """The first of the keys that ``stage`` holds (None: it holds no copy)."""
+        return next((k for k, s in zip(self.keys, self.key_stages) if s == stage), None)
 
 
 class TiedGradients:
@@ -50,7 +78,7 @@ class TiedGradients:
     """
 
     def __init__(self, groups: Sequence[TiedGroup], stage: int, rank_of_stage: Callable[[int], int], group: Any,
-                 device: torch.device, codec: Codec | None = None, timeout: timedelta | None = None) -> None:
+                 device: torch.device, codec: PayloadCodec | None = None, timeout: timedelta | None = None) -> None:
         self.groups = list(groups)
         self.stage = stage
         self.rank_of_stage = rank_of_stage
@@ -211,4 +239,4 @@ def _seed(step: int, index: int, stage: int) -> int:
     return h & 0x7FFFFFFF
 
 
-__all__ = ["TAG_BASE", "TiedGradients"]
+__all__ = ["TAG_BASE", "TiedGradients", "TiedGroup"]

@@ -19,13 +19,20 @@ Two kinds of message share the header:
 
 A part's codec id says how its payload is to be read (the wire form): :data:`RAW`, :data:`CODEC`, :data:`FULL` and
 :data:`SKIP` are the forms of the error-feedback rules (:mod:`lightning_clapping.codecs.feedback` says when each is
-used), :data:`ATTACHMENT` the step's results that ride on the last gradient message of a step (:func:`results_part`:
-their length as 8 bytes, the bytes, zeros up to a multiple of 256 bytes so that the message keeps its size from
-step to step). The only flag is :data:`FLAG_REQUIRES_GRAD` (the receiver makes the tensor a leaf that requires grad).
+used and what each payload holds), :data:`ATTACHMENT` the step's results that ride on the last gradient message of
+a step (:func:`results_part`: their length as 8 bytes, the bytes, zeros up to a multiple of 256 bytes so that the
+message keeps its size from step to step). The only flag is :data:`FLAG_REQUIRES_GRAD` (the receiver makes the
+tensor a leaf that requires grad).
 
 The receiver trusts nothing it reads: every header field is checked (and every announced size bounded) before it is
 used, and a malformed message raises :class:`WireError` naming the message (e.g. "boundary 1, backward,
 micro-batch 3"), never another exception, an allocation of the announced size or a receive that aborts gloo.
+
+Why this module knows the framing and nothing else: it sits below the codecs and the rules (``comm/`` imports no
+``codecs/`` and no ``pipeline/``). Whether a payload is what a codec makes is the codec's to say
+(:class:`PayloadCodec`), whether a part is one a rule can have sent is the rule's (:class:`MessageDecoder`); the
+entry points here (:func:`decode_payload`, :func:`decode_message`) call them through those two small interfaces and
+turn what they refuse into a :class:`WireError` naming the message, so a new codec or rule needs no change here.
 """
 
 from __future__ import annotations
@@ -34,12 +41,11 @@ import math
 import struct
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import torch
 
-from lightning_clapping.codecs.bitpack import pack_bits, packed_nbytes, unpack_bits
-from lightning_clapping.codecs.sparse import TopKCodec
+from lightning_clapping.bitpack import pack_bits, packed_nbytes, unpack_bits
 
 MAGIC = b"CL"
 VERSION = 2  # 2: a torch.bool tensor's RAW payload is one bit per value
@@ -108,7 +114,7 @@ def raw_payload_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's own bytes as a flat uint8 view (a copy only when it is not contiguous); a bool tensor's values
-    packed one bit each (:func:`~lightning_clapping.codecs.bitpack.pack_bits`)."""
+    packed one bit each (:func:`~lightning_clapping.bitpack.pack_bits`)."""
     t = t.detach().contiguous()
     if t.dtype == torch.bool:  # ne(0): a bool made by a view may hold any non-zero byte for True
         return pack_bits(t.reshape(-1).view(torch.uint8).ne(0).view(torch.uint8), 1)
@@ -293,92 +299,82 @@ def results_of(parts: list[Part], where: str) -> bytes:
 # ------------------------------------------------------------------------------------------ decoding what arrived
 #: what a codec or a rule may raise on bytes that passed the checks below but still make no sense to it; the
 #: decode entry points turn these into WireError
-_DECODE_ERRORS = (RuntimeError, ValueError, IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError)
+DECODE_ERRORS = (RuntimeError, ValueError, IndexError, KeyError, TypeError, OverflowError, ZeroDivisionError)
 FORM_NAMES = {RAW: "RAW", CODEC: "CODEC", FULL: "FULL", SKIP: "SKIP", ATTACHMENT: "ATTACHMENT"}
 
 
-def check_codec_payload(codec: Any, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
+class PayloadCodec(Protocol):
+    """What the wire asks of a codec (every :class:`lightning_clapping.codecs.Codec` is one)."""
+
+    name: str
+
+    def check_received(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *,
+                       indices: bool | None = None) -> None:
+        """Raise ValueError saying what is wrong unless ``payload`` is what this codec makes of a tensor of
+        ``shape`` and ``dtype`` (``indices``: also check what the decoder would index with; None: where an
+        out-of-bounds index would not raise but abort, i.e. off the CPU)."""
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int: ...
+
+    def encode(self, x: torch.Tensor, *, seed: int = 0) -> torch.Tensor: ...
+
+    def decode(self, payload: torch.Tensor, shape: torch.Size, dtype: torch.dtype, *,
+               seed: int = 0) -> torch.Tensor: ...
+
+
+class MessageDecoder(Protocol):
+    """What the wire asks of the receiving end of a boundary (every
+    :class:`lightning_clapping.codecs.feedback.MessageRule` is one)."""
+
+    variant: str
+
+    def check_part(self, slot: int, k: int, part: Part, ctx: Any) -> None:
+        """Raise ValueError saying what is wrong unless ``part`` (tensor ``k`` of micro-batch ``slot``) is one this
+        rule's sender can have sent at the step ``ctx``: its form, its payload, the state it relies on."""
+
+    def decode(self, slot: int, parts: list[Part], ctx: Any) -> list[torch.Tensor]: ...
+
+
+def check_codec_payload(codec: PayloadCodec, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
                         where: str | None = None, indices: bool | None = None) -> None:
-    """Raise :class:`WireError` unless ``payload`` is what ``codec`` makes of a tensor of ``shape`` and ``dtype``: a
-    floating dtype, exactly :meth:`~lightning_clapping.codecs.Codec.payload_nbytes` bytes, and (``indices``) for
-    ``topk`` flat indices inside the tensor.
-
-    An index past the end makes the decoder write out of bounds: on an accelerator a device-side assert that ends
-    the process, so ``indices=None`` checks them there; on the CPU an IndexError, which the decode entry points
-    turn into a WireError, so the check (a second unpacking of the indices, some 15-40% of a topk decode) is left
-    out there."""
-    if indices is None:
-        indices = payload.device.type != "cpu"
-    what = f"{codec.name} payload for shape {tuple(shape)} {dtype}"
-    if not dtype.is_floating_point:
-        _fail(f"{what}: a codec payload stands for a floating tensor", where)
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        _fail(f"{what}: a payload is 1-D torch.uint8, got {payload.dtype} of shape {tuple(payload.shape)}", where)
+    """Raise :class:`WireError` unless ``payload`` is what ``codec`` makes of a tensor of ``shape`` and ``dtype``, as
+    the codec's :meth:`~PayloadCodec.check_received` says (for the built-in codecs: a floating dtype, exactly
+    :meth:`~lightning_clapping.codecs.Codec.payload_nbytes` bytes, and with ``indices`` top-k's flat indices inside
+    the tensor; ``indices=None`` checks them where an index past the end would abort the process, off the CPU)."""
     try:
-        expected = codec.payload_nbytes(shape, dtype)
-    except _DECODE_ERRORS as err:
-        _fail(f"{what}: the codec cannot size it ({err})", where)
-    if payload.numel() != expected:
-        _fail(f"{what}: {payload.numel()} bytes, the codec makes {expected}", where)
-    if indices and isinstance(codec, TopKCodec):
-        n = math.prod(shape)
-        k = codec.count(n)
-        if k:
-            index = unpack_bits(payload[codec.values_nbytes(k):], k, max(n - 1, 0).bit_length())
-            top = int(index.max())
-            if top >= n:
-                _fail(f"{what}: flat index {top} is past the tensor's {n} values", where)
+        codec.check_received(payload, shape, dtype, indices=indices)
+    except DECODE_ERRORS as err:
+        _fail(f"{codec.name} payload for shape {tuple(shape)} {dtype}: {err}", where)
 
 
-def decode_payload(codec: Any, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *, seed: int,
-                   where: str | None = None) -> torch.Tensor:
+def decode_payload(codec: PayloadCodec, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, *,
+                   seed: int, where: str | None = None) -> torch.Tensor:
     """The tensor a codec payload that arrived from a peer stands for. Checked first
     (:func:`check_codec_payload`); anything malformed raises :class:`WireError` naming the codec and ``where``."""
     check_codec_payload(codec, payload, shape, dtype, where)
     try:
         return codec.decode(payload, torch.Size(shape), dtype, seed=seed)
-    except _DECODE_ERRORS as err:
+    except DECODE_ERRORS as err:
         _fail(f"{codec.name} payload for shape {tuple(shape)} {dtype} could not be decoded ({err})", where)
 
 
-def decode_message(rule: Any, slot: int, parts: list[Part], ctx: Any, where: str | None = None) -> list[torch.Tensor]:
+def decode_message(rule: MessageDecoder, slot: int, parts: list[Part], ctx: Any,
+                   where: str | None = None) -> list[torch.Tensor]:
     """The tensors of a data message's ``parts`` (from :func:`unpack`, results removed), decoded by ``rule`` (the
     receiving :class:`~lightning_clapping.codecs.feedback.MessageRule`) for micro-batch ``slot`` of the step
     ``ctx``: the one way a received message becomes tensors.
 
-    Before the rule sees them, every part is checked against what the rule can have sent: its wire form (a form the
-    rule's variant uses for a tensor of that dtype and flags), its payload length (the raw size for RAW and FULL,
-    nothing for SKIP, the codec's size for CODEC, see :func:`check_codec_payload`), the buffer a SKIP keeps and, for
-    AQ-SGD, one row per sample id. What the rule or its codec still raises is re-raised as :class:`WireError`
-    naming the message and its parts' forms."""
-    codec = rule._codec(ctx)
-    ids = ctx.sample_ids[slot] if rule.kind == "per-sample" and ctx.sample_ids is not None else None
+    Before the rule decodes them, it checks every part against what its sender can have sent
+    (:meth:`~MessageDecoder.check_part`: the form, the payload's length, the state the form relies on); what it
+    refuses, and what it or its codec still raise while decoding, is re-raised as :class:`WireError` naming the
+    message, the part and its form."""
     for k, p in enumerate(parts):
-        at = f"part {k} of {len(parts)} ({FORM_NAMES.get(p.codec, p.codec)})"
-        if p.codec in (RAW, FULL) and p.payload.numel() != raw_payload_nbytes(p.shape, p.dtype):
-            _fail(f"{at}: {p.payload.numel()} bytes for shape {p.shape} of {p.dtype} "
-                  f"({raw_payload_nbytes(p.shape, p.dtype)})", where)
-        if p.codec == SKIP:
-            buf = rule.buffers.get(rule.key(slot, k, ctx))
-            if p.payload.numel() or buf is None or tuple(buf.shape) != p.shape or buf.dtype != p.dtype:
-                _fail(f"{at}: a skipped tensor has no payload and keeps a buffer of its shape and dtype (payload "
-                      f"{p.payload.numel()} bytes, buffer {None if buf is None else (tuple(buf.shape), buf.dtype)}, "
-                      f"sent {p.shape} {p.dtype})", where)
-        if p.codec == CODEC:
-            check_codec_payload(codec, p.payload, p.shape, p.dtype, f"{where}: {at}" if where else at)
         try:
-            compressible = rule.compressible(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.flags)
-        except _DECODE_ERRORS as err:  # a shape whose bytes overflow
-            _fail(f"{at}: shape {p.shape} of {p.dtype} ({err})", where)
-        forms = {"raw": (RAW,), "direct": (CODEC,), "per-sample": (FULL, CODEC),
-                 "feedback": (FULL, CODEC, SKIP)}[rule.kind] if compressible else (RAW,)
-        if p.codec not in forms:
-            _fail(f"{at}: the {rule.variant} rule sends this {p.dtype} tensor (flags {p.flags}) as "
-                  f"{' or '.join(FORM_NAMES[f] for f in forms)}", where)
-        if ids is not None and p.codec != RAW and (not p.shape or p.shape[0] != len(ids)):
-            _fail(f"{at}: shape {p.shape} for a micro-batch of {len(ids)} sample ids", where)
+            rule.check_part(slot, k, p, ctx)
+        except DECODE_ERRORS as err:
+            _fail(f"part {k} of {len(parts)} ({FORM_NAMES.get(p.codec, p.codec)}): {err}", where)
     try:
         return rule.decode(slot, parts, ctx)
-    except _DECODE_ERRORS as err:
+    except DECODE_ERRORS as err:
         forms = ", ".join(FORM_NAMES.get(p.codec, str(p.codec)) for p in parts)
         _fail(f"parts ({forms}) could not be decoded by the {rule.variant} rule ({type(err).__name__}: {err})", where)

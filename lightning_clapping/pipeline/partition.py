@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_clapping.comm.ties import TiedGroup  # defined below the pipeline (comm/ imports no pipeline/)
 from lightning_clapping.pipeline.bottleneck import Bottleneck
 
 _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -33,28 +34,6 @@ _NEVER_CALLED = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDic
 
 class PartitionError(ValueError):
     """The model cannot be cut as asked; the message says why and what to change."""
-
-
-@dataclass(frozen=True)
-class TiedGroup:
-    """One tensor that units of several stages share (tied weights, e.g. an input embedding and an output head).
-
-    Every stage in :attr:`stages` holds its own copy (each trains it; their gradients are summed over those stages
-    every step, see :mod:`lightning_clapping.comm.ties`, so the copies stay identical); a checkpoint saves it once.
-    """
-
-    #: the tensor's state-dict keys, in registration order, and the stage of each
-    keys: tuple[str, ...]
-    key_stages: tuple[int, ...]
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        """The stages that hold a copy, in order."""
-        return tuple(sorted(set(self.key_stages)))
-
-    def key_on(self, stage: int) -> str | None:
-        """The first of the keys that ``stage`` holds (None: it holds no copy)."""
-        return next((k for k, s in zip(self.keys, self.key_stages) if s == stage), None)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,10 @@
 The quantizer packs its codes and top-k packs its indices with these. The layout is *planar*: a few whole-array
 operations (shifts, masks and additions on uint8 or int32 views) instead of a per-value loop, so packing runs at
 memory speed in eager PyTorch. See :func:`pack_bits` for the exact layout; :func:`unpack_bits` inverts it.
+
+Why it sits at the top of the package, below ``codecs/`` and ``comm/``: both pack bits (the codecs their codes and
+indices, :mod:`lightning_clapping.comm.wire` a ``torch.bool`` tensor's RAW payload) and the wire must not import the
+codecs. It depends on torch alone; :mod:`lightning_clapping.codecs` re-exports its three functions.
 """
 
 from __future__ import annotations
