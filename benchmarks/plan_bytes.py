@@ -28,11 +28,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lightning_clapping.planner import PRESETS, plan  # noqa: E402
+from lightning_clapping.sync import DiLoCo  # noqa: E402
 KINDS = ("activations", "tied", "replica", "total")
 MEASURED_KEYS = {"activations": "pipeline_messages_per_step", "tied": "tied_bytes_per_step",
                  "replica": "replica_bytes_per_step", "total": "bytes_per_step"}
 #: the variants of bytes_by_kind.json: their codecs and whether they send the first step in full (feedback rule)
-VARIANTS = {"uncompressed": ({}, False), "clapping-fc q4/q8": ({"forward_codec": "q4", "backward_codec": "q8"}, True)}
+FC = {"forward_codec": "q4", "backward_codec": "q8"}
+SPARSE = "topk:0.05+q4"
+VARIANTS = {
+    "uncompressed": ({}, False),
+    "clapping-fc q4/q8": (FC, True),
+    "clapping-fc q4/q8, lag": ({**FC, "replica_sync": "lag"}, True),  # random tokens: every tensor fired (fraction 1)
+    "clapping-fc q4/q8, diloco H=16": ({**FC, "replica_sync": DiLoCo(inner_steps=16)}, True),
+    f"clapping-fc q4/q8, tied {SPARSE}, diloco H=16 {SPARSE}": (
+        {**FC, "tied_codec": SPARSE, "replica_sync": DiLoCo(inner_steps=16, codec=SPARSE)}, True),
+    f"clapping-fc q4/q8, tied topk:0.02+q4, diloco H=32 {SPARSE}": (
+        {**FC, "tied_codec": "topk:0.02+q4", "replica_sync": DiLoCo(inner_steps=32, codec=SPARSE)}, True),
+}
 TOLERANCE = 0.05
 
 
