@@ -7,7 +7,7 @@ Source: ``benchmarks/results/quality.json`` (``quality.py``, BENCHMARKS section 
 measured there (variant, lazy-sampling p, forward / backward / fresh-step codecs) the table keeps, per task, its
 quality deficit against uncompressed training (accuracy points lost, or % added to the validation loss: what
 BENCHMARKS calls the deficit), its byte ratio, its number of seeds and whether it lies on that task's frontier. Run it
-whenever quality.json changes; tests/test_autotune.py fails while the two disagree.
+whenever quality.json changes; tests/autotune/test_autotune.py fails while the two disagree.
 """
 
 from __future__ import annotations

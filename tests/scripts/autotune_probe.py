@@ -5,7 +5,7 @@
 
 Stages are placed as the strategy places them (stage s on rank WORLD - 1 - s). Every boundary is priced with the
 message of a 4 x 128 x 128 float32 activation (and its gradient) against ``--compute-ms`` of compute per micro-batch.
-tests/test_autotune.py runs it inside the delayed-link namespaces; it also runs by hand on loopback.
+tests/autotune/test_autotune.py runs it inside the delayed-link namespaces; it also runs by hand on loopback.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from lightning_clapping.data import (
     find_lazy_loader,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +106,7 @@ print(json.dumps(record_decisions()))
 
 def test_decision_sequence_is_identical_in_separate_processes():
     # two child processes (importing lightning takes seconds, so not more) plus this one
-    script = _DECISION_SCRIPT.format(tests_dir=str(Path(__file__).resolve().parent))
+    script = _DECISION_SCRIPT.format(tests_dir=str(Path(__file__).resolve().parents[1]))
     procs = []
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -40,7 +40,7 @@ from lightning_clapping.comm.wire import message_nbytes
 from lightning_clapping.codecs import get_codec
 from lightning_clapping.codecs.feedback import MessageRule
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MBIT = 1e6 / 8  # bytes per second of one Mbit/s
 
 ACT = [((4, 128, 128), torch.float32)]  # one micro-batch's activation (and its gradient)

@@ -12,7 +12,7 @@ import torch
 from conftest import launch_forked
 from lightning_clapping import Bottleneck, build_partition
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 
 
 @pytest.fixture(scope="module")
