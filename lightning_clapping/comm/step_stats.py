@@ -34,6 +34,15 @@ class StepStats:
         else:
             self.bwd_bytes, self.bwd_raw_bytes = self.bwd_bytes + sent, self.bwd_raw_bytes + raw
 
+    def count_difference(self, direction: str, diff_sq: float, value_sq: float, skipped: int) -> None:
+        """What the rule sending ``direction`` ("fwd" or "bwd") reports after the step: the squared norms of what it
+        left out and of what it compressed, and the messages it skipped."""
+        if direction == "fwd":
+            self.fwd_diff_sq, self.fwd_value_sq = diff_sq, value_sq
+        else:
+            self.bwd_diff_sq, self.bwd_value_sq = diff_sq, value_sq
+        self.skipped += skipped
+
     def as_list(self) -> list[float]:
         return [float(getattr(self, f)) for f in self.__dataclass_fields__]
 

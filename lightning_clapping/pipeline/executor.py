@@ -437,10 +437,7 @@ class PipelineExecutor:
             if rule is None:
                 continue
             rs = rule.take_stats()
-            d = "fwd" if name == "fwd_out" else "bwd"
-            setattr(stats, f"{d}_diff_sq", rs.diff_sq)
-            setattr(stats, f"{d}_value_sq", rs.value_sq)
-            stats.skipped += rs.skipped
+            stats.count_difference("fwd" if name == "fwd_out" else "bwd", rs.diff_sq, rs.value_sq, rs.skipped)
         stats.feedback_bytes = sum(r.state_bytes() for r in self.rules.values() if r is not None)
 
     def feedback_state(self) -> dict[str, dict[str, Tensor]]:
