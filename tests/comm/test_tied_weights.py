@@ -158,7 +158,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tied")
     launch_forked("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams,bert_resume", ranks=2, cwd=out,
                   timeout=600)
-    launch_forked("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas", ranks=4, cwd=out, timeout=600)
+    launch_forked("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas,replicas_diloco", ranks=4, cwd=out,
+                  timeout=600)
     launch_forked("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume,bert_resume", ranks=1, cwd=out,
                   timeout=600)
     return SimpleNamespace(out=out)
@@ -184,10 +185,11 @@ def test_replicas_with_accumulation_and_clipping_train_as_one_process_on_the_uni
 
 
 @pytest.mark.parametrize("case, ranks", [("gpt2", 2), ("gpt2x4", 4), ("bert", 2), ("bertx4", 4), ("gpt2q", 2),
-                                         ("replicas", 4)])
+                                         ("replicas", 4), ("replicas_diloco", 4)])
 def test_the_tied_copies_are_bit_identical_across_stages_at_the_end(runs, case, ranks):
+    # replicas_diloco: local steps between syncs, compressed tied sums and pseudo-gradients, then the end-of-fit sync
     copies = [v for r in range(ranks) for v in torch.load(runs.out / f"{case}_pipe_copies_rank{r}.pt").values()]
-    assert len(copies) == (4 if case == "replicas" else 2)  # two per pipeline: the middle stages hold none
+    assert len(copies) == (4 if case.startswith("replicas") else 2)  # two per pipeline: the middle stages hold none
     for other in copies[1:]:
         assert torch.equal(other, copies[0])
 

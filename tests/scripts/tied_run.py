@@ -11,6 +11,7 @@ bert:     BertForMaskedLM (cls.predictions.decoder.weight is bert.embeddings.wor
 gpt2x4:   gpt2 on 4 stages (the middle stages hold no copy)
 replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
           replicas' batches, as tests/scripts/replicas_run.py does)
+replicas_diloco: gpt2 on 2 stages x 2 replicas under DiLoCo (H=2, q8 pseudo-gradients) with tied_codec="q4"
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
 gpt2bn:   gpt2 with its second block wrapped by ``BottleneckAfter(block, 32, 8)`` (a ``Bottleneck`` on the hidden
           states it returns) and the split point naming that bottleneck; gpt2bnwide: the same model, cut after the
@@ -33,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_clapping
+from lightning_clapping import DiLoCo
 
 VOCAB, SEQ = 97, 16
 TIED = {"gpt2": ("model.transformer.wte.weight", "model.lm_head.weight"),
@@ -110,6 +112,9 @@ CASES = {
     "gpt2x4": ("gpt2", 4, 1, {}, {}, 32),
     "bertx4": ("bert", 4, 1, {}, {}, 32),
     "replicas": ("gpt2", 2, 2, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}, {}, 32),
+    # DiLoCo over the replicas with a compressed tied sum and compressed pseudo-gradients (pipe only)
+    "replicas_diloco": ("gpt2", 2, 2, {}, {"replica_sync": DiLoCo(inner_steps=2, codec="q8"), "tied_codec": "q4"},
+                        48),
     "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
     "bert_resume": ("bert", 2, 1, {"max_epochs": 2}, {}, 32),
     "hparams": ("gpt2", 2, 1, {}, {}, 32),
