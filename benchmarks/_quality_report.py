@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import statistics
+import textwrap
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from _machine import describe
 
 from _quality_tasks import BOTTLENECK, P_SCHEDULED, SCHEDULED, TASKS
+from _table import table as text_table
 
 #: tolerances of the targets, per task: (clapping-fu, clapping-fc at >= 16x); accuracy in points, loss in percent
 TOLERANCE = {"fashion_mnist": (1.0, 2.0), "shakespeare": (2.0, 4.0), "wordnet_minilm": (1.0, 2.0)}
@@ -332,19 +334,18 @@ def table(aggs: list[dict]) -> str:
                      f"{mine[0]['steps']} steps, {mine[0]['seeds']} seed(s) (mean ± std), bytes summed over all "
                      f"steps, boundaries and directions; 'train s': seconds of training and evaluation per run "
                      f"(set-up excluded; a shared machine's times drift)")
-        head = (f"{'configuration':34} {t.metric:>18} {'vs unc.':>9} {'sent':>10} {'x fewer':>8} "
-                f"{'samples drawn':>13} {'feedback mem':>12} {'train s':>7}")
-        lines += [head, "-" * len(head)]
+        body = []
         for a in mine:
             dv = a["deficit_vs_uncompressed"]
             dv_s = ""
             if dv is not None and not (a["variant"] == "uncompressed" and a["p"] == 1.0):
                 dv_s = f"{-dv:+.2f}pt" if t.higher_is_better else f"{dv:+.2f}%"
-            ratio = f"{a['bytes_ratio']:.1f}" if a["bytes_ratio"] else ""
-            lines.append(
-                f"{a['label']:34} {_metric_str(a):>18} {dv_s:>9} {_fmt_bytes(a['total_bytes_mean']):>10} "
-                f"{ratio:>8} {a['samples_drawn_mean']:>13.0f} {_fmt_bytes(a['feedback_bytes_final_mean']):>12} "
-                f"{a['fit_seconds_mean']:>7.1f}")
+            body.append((a["label"], _metric_str(a), dv_s, _fmt_bytes(a["total_bytes_mean"]),
+                         f"{a['bytes_ratio']:.1f}" if a["bytes_ratio"] else "", a["samples_drawn_mean"],
+                         _fmt_bytes(a["feedback_bytes_final_mean"]), a["fit_seconds_mean"]))
+        lines.append(text_table(body, ["configuration", t.metric, "vs unc.", "sent", "x fewer", "samples drawn",
+                                       "feedback mem", "train s"], floatfmt=(None,) * 5 + (".0f", None, ".1f"),
+                                colalign=("left",) + ("right",) * 7))
         lines.append("('vs unc.': accuracy points against uncompressed, negative is worse)" if t.higher_is_better
                      else "('vs unc.': change of the validation loss against uncompressed in %, positive is worse)")
     return "\n".join(lines)
@@ -367,17 +368,16 @@ def frontier_text(front: dict[str, dict]) -> str:
         lines.append(f"\nCompression frontier, {TASKS[task].title} (goal: >= {f['min_ratio']:g}x fewer bytes than "
                      f"uncompressed, within {f['tolerance']:g} {unit}; stretch {f['stretch_ratio']:g}x; * a model "
                      f"change: a trainable Bottleneck at every cut):")
-        head = (f"  {'configuration':36} {'codecs (fwd / bwd / fresh)':46} {TASKS[task].metric + ' (seeds)':>22} "
-                f"{'x fewer':>8} {'deficit':>10}  goal")
         # deficit: how much worse than uncompressed (accuracy points, or percent of its loss); negative is better
-        lines += [head, "  " + "-" * (len(head) - 2)]
-        for r in f["frontier"]:
-            codecs = " / ".join(c or "-" for c in (r["fwd"], r["bwd"], r["fresh"])) if r["fwd"] else "-"
-            metric = f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f} ({r['seeds']})"
-            name = r["config"] + (" *" if r["model_change"] else "")
-            lines.append(f"  {name:36} {codecs:46} {metric:>22} {r['bytes_ratio']:>8.1f} "
-                         f"{r['deficit']:>+7.2f} {short:<2}"
-                         f"  {('stretch met' if r['stretch_met'] else 'met') if r['goal_met'] else 'not met'}")
+        body = [(r["config"] + (" *" if r["model_change"] else ""),
+                 " / ".join(c or "-" for c in (r["fwd"], r["bwd"], r["fresh"])) if r["fwd"] else "-",
+                 f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f} ({r['seeds']})", r["bytes_ratio"],
+                 f"{r['deficit']:+.2f} {short}",
+                 ("stretch met" if r["stretch_met"] else "met") if r["goal_met"] else "not met") for r in f["frontier"]]
+        lines.append(textwrap.indent(text_table(
+            body, ["configuration", "codecs (fwd / bwd / fresh)", TASKS[task].metric + " (seeds)", "x fewer", "deficit",
+                   "goal"], floatfmt=(None, None, None, ".1f"),
+            colalign=("left", "left", "right", "right", "right", "left")), "  "))
         best_at, best_within = f["best_at_min_ratio"], f["most_bytes_saved_within_tolerance"]
         verdict = (f"goal met by {', '.join(f['goal_met_by'])}" if f["goal_met_by"] else "goal not met")
         verdict += (f"; by codecs alone: {', '.join(f['goal_met_by_codecs'])}" if f["goal_met_by_codecs"]

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from _slow_network_report import _fmt
+from _table import markdown_table
 from time_to_target import steps_to_target
 
 BASELINE = "every-step"
@@ -77,17 +78,16 @@ LEGEND = (
 
 def print_table(rows: list[dict], target: float | None) -> None:
     print(f"target: validation loss {_fmt(target, '.4f')} (every-step on loopback at its last step)\n")
-    print("| layout | link | setting | mean step s | sync step s | first sync s | loopback s | cross kB/step | "
-          "steps to target | time to target s | x every-step |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        steps = str(r["steps_to_target"]) if r["steps_to_target"] is not None else r["status"]
-        cross = None if r["relay_wire_bytes_per_step"] is None else r["relay_wire_bytes_per_step"] / 1e3
-        print(f"| {r['layout']} | {r['link']} | {r['setting']}{' **first**' if r.get('first') else ''} | "
-              f"{_fmt(r['mean_step_s'], '.3f')} | {_fmt(r['sync_step_s'], '.3f')} | {_fmt(r['first_sync_step_s'], '.2f')} | "
-              f"{_fmt(r['loopback_step_s'], '.3f')}"
-              f" | {_fmt(cross, '.1f')} | {steps} | {_fmt(r['time_to_target_s'], '.1f')} | "
-              f"{_fmt(r['x_every_step'], '.2f')} |")
+    print(markdown_table(
+        [(r["layout"], r["link"], f"{r['setting']}{' **first**' if r.get('first') else ''}", r["mean_step_s"],
+          r["sync_step_s"], r["first_sync_step_s"], r["loopback_step_s"],
+          None if r["relay_wire_bytes_per_step"] is None else r["relay_wire_bytes_per_step"] / 1e3,
+          str(r["steps_to_target"]) if r["steps_to_target"] is not None else r["status"], r["time_to_target_s"],
+          r["x_every_step"]) for r in rows],
+        ["layout", "link", "setting", "mean step s", "sync step s", "first sync s", "loopback s", "cross kB/step",
+         "steps to target", "time to target s", "x every-step"],
+        floatfmt=(None, None, None, ".3f", ".3f", ".2f", ".3f", ".1f", None, ".1f", ".2f"),
+        colalign=("left",) * 3 + ("right",) * 8))
     print(f"\n{LEGEND}")
 
 

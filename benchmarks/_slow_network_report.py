@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 from _slow_network_settings import LinkSpec, MiB, Mode, Variant, fp32_message_bytes
+from _table import table
 
 # ====================================================================================================================
 # One run, and the runs side by side
@@ -260,26 +261,25 @@ TABLE_LEGEND = (
 
 def print_table(rows: list[dict]) -> None:
     """The table of runs, one line each (``TABLE_LEGEND`` says what the columns hold)."""
-    head = (f"{'link':<16} {'variant':<24} {'step s':>7} {'mean s':>7} {'x loop':>7} {'x unc':>6} {'x floor':>7} "
-            f"{'MiB/step':>8} {'fewer':>6} {'veth/str':>8} {'floor s':>7} {'val loss':>8} {'target':>7} "
-            f"{'to target s':>11} {'x unc':>6} {'other':>5}")
-    print(head)
-    print("-" * len(head))
+    body, failed = [], []
     for r in rows:
         if r["error"]:
-            print(f"{r['link']:<16} {r['variant']:<24} FAILED: {r['error']}")
+            body.append((r["link"], r["variant"], "FAILED") + ("",) * 13)
+            failed.append(f"{r['link']} {r['variant']} FAILED: {r['error']}")
             continue
         ttt = (f"{r['time_to_target_s']:.1f} @{r['target_step']}" if r.get("time_to_target_s") is not None
                else "not reached")
-        mib = r["bytes_per_step"] / MiB if r["bytes_per_step"] is not None else None
-        print(f"{r['link']:<16} {r['variant']:<24} {r['median_step_s']:>7.3f} {r['mean_step_s']:>7.3f} "
-              f"{_fmt(r.get('x_loopback_step'), '.2f'):>7} {_fmt(r.get('step_speedup'), '.2f'):>6} "
-              f"{_fmt(r.get('x_delay_floor'), '.2f'):>7} {_fmt(mib, '.3f'):>8} "
-              f"{_fmt(r.get('fewer_bytes_x'), '.1f'):>6} "
-              f"{_fmt(r.get('veth_over_strategy'), '.3f'):>8} "
-              f"{_fmt(r.get('wire_floor_step_s'), '.3f'):>7} {_fmt(r['final_val_loss'], '.4f'):>8} "
-              f"{_fmt(r.get('target_val_loss'), '.4f'):>7} {ttt:>11} {_fmt(r.get('ttt_speedup'), '.2f'):>6} "
-              f"{_fmt(r.get('other_cores'), '.2f'):>5}")
+        body.append((r["link"], r["variant"], r["median_step_s"], r["mean_step_s"], r.get("x_loopback_step"),
+                     r.get("step_speedup"), r.get("x_delay_floor"),
+                     r["bytes_per_step"] / MiB if r["bytes_per_step"] is not None else None, r.get("fewer_bytes_x"),
+                     r.get("veth_over_strategy"), r.get("wire_floor_step_s"), r["final_val_loss"],
+                     r.get("target_val_loss"), ttt, r.get("ttt_speedup"), r.get("other_cores")))
+    print(table(body, ["link", "variant", "step s", "mean s", "x loop", "x unc", "x floor", "MiB/step", "fewer",
+                       "veth/str", "floor s", "val loss", "target", "to target s", "x unc", "other"],
+                floatfmt=(None, None, ".3f", ".3f", ".2f", ".2f", ".2f", ".3f", ".1f", ".3f", ".3f", ".4f", ".4f", None,
+                          ".2f", ".2f"), colalign=("left", "left") + ("right",) * 14))
+    for line in failed:
+        print(line)
     print()
     print(textwrap.fill(TABLE_LEGEND, width=118))
 

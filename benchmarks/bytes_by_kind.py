@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _table import table
 from lightning_clapping import DiLoCo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +86,14 @@ def worker(variant: str, steps: int, out: str, size: str = "full") -> None:
         Path(out).write_text(json.dumps({**trainer.strategy.byte_totals, "gradient_bytes": grads}))
 
 
+def table_of(rows: list[dict]) -> str:
+    """Bytes per step of one replica (MB) by kind, and how many times fewer than the first row (uncompressed)."""
+    return table([(r["variant"], r["pipeline_messages_per_step"] / 1e6, r["tied_bytes_per_step"] / 1e6,
+                   r["replica_bytes_per_step"] / 1e6, r["bytes_per_step"] / 1e6, f"{r['fewer_bytes']:.3f}x")
+                  for r in rows], ["per step, one replica (MB)", "pipeline msgs", "tied sum", "replica avg", "all",
+                                   "fewer bytes"], floatfmt=".2f")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
@@ -111,12 +120,9 @@ def main() -> None:
         rows.append({"variant": variant, "steps": done, "gradient_bytes": totals["gradient_bytes"],
                      **{f"{k}_per_step": v for k, v in per_step.items()}})
     base = rows[0]["bytes_per_step"]
-    print(f"{'per step, one replica (MB)':66s} {'pipeline msgs':>14s} {'tied sum':>10s} {'replica avg':>12s} "
-          f"{'all':>10s} {'fewer bytes':>12s}")
     for r in rows:
         r["fewer_bytes"] = base / r["bytes_per_step"]
-        print(f"{r['variant']:66s} {r['pipeline_messages_per_step'] / 1e6:14.2f} {r['tied_bytes_per_step'] / 1e6:10.2f} "
-              f"{r['replica_bytes_per_step'] / 1e6:12.2f} {r['bytes_per_step'] / 1e6:10.2f} {r['fewer_bytes']:11.3f}x")
+    print(table_of(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = ("Llama from config, tied, " + ("vocab 100, hidden 16, 2 layers" if args.tiny else

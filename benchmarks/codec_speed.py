@@ -44,6 +44,7 @@ from lightning_clapping.codecs import compression_ratio, fused_cpu, get_codec  #
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import describe  # noqa: E402
+from _table import table  # noqa: E402
 
 CODECS = ["identity", "bf16", "fp16", "fp8", "q8", "q4", "q2", "q4:group128", "q4:sr", "q4:fp16", "q8:fp16",
           "topk:0.1", "topk:0.1+q8", "randk:0.1", "randk:0.1+q4"]
@@ -74,14 +75,10 @@ def payload_rows(shapes=PAYLOAD_SHAPES, specs=PAYLOAD_CODECS) -> list[dict]:
 
 
 def print_payloads(rows: list[dict]) -> None:
-    head = (f"{'shape':>11} {'codec':<12} {'fp32 B':>8} {'payload B':>9} {'ratio':>6} {'fp32 msg B':>10} "
-            f"{'msg B':>8} {'ratio':>6}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['shape']:>11} {r['codec']:<12} {r['fp32_payload_bytes']:>8} {r['payload_bytes']:>9} "
-              f"{r['payload_ratio']:>5.2f}x {r['fp32_message_bytes']:>10} {r['message_bytes']:>8} "
-              f"{r['message_ratio']:>5.2f}x")
+    print(table([(r["shape"], r["codec"], r["fp32_payload_bytes"], r["payload_bytes"], f"{r['payload_ratio']:.2f}x",
+                  r["fp32_message_bytes"], r["message_bytes"], f"{r['message_ratio']:.2f}x") for r in rows],
+                ["shape", "codec", "fp32 B", "payload B", "ratio", "fp32 msg B", "msg B", "ratio"],
+                colalign=("right", "left") + ("right",) * 6))
 
 
 def machine() -> dict:
@@ -172,16 +169,13 @@ def _measure(spec: str, shape: tuple[int, ...], warmup: int, repeats: int, flush
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'shape':>9} {'codec':<12} {'path':<5} {'compr':>6} {'copy ms':>8} {'enc ms':>8} {'dec ms':>8} "
-            f"{'into ms':>8} "
-            f"{'GB/s':>6} {'vs copy':>8} {'(into)':>7} {'rel err':>8}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['shape']:>9} {r['codec']:<12} {r['path']:<5} {r['compression_vs_fp32']:>5.1f}x {r['copy_ms']:>8.3f} "
-              f"{r['encode_ms']:>8.3f} {r['decode_ms']:>8.3f} {r['decode_into_ms']:>8.3f} "
-              f"{r['encode_decode_gbps']:>6.2f} {r['ratio_to_copy']:>8.3f} {r['ratio_to_copy_decode_into']:>7.3f} "
-              f"{r['relative_error']:>8.1e}")
+    print(table([(r["shape"], r["codec"], r["path"], f"{r['compression_vs_fp32']:.1f}x", r["copy_ms"], r["encode_ms"],
+                  r["decode_ms"], r["decode_into_ms"], r["encode_decode_gbps"], r["ratio_to_copy"],
+                  r["ratio_to_copy_decode_into"], r["relative_error"]) for r in rows],
+                ["shape", "codec", "path", "compr", "copy ms", "enc ms", "dec ms", "into ms", "GB/s", "vs copy",
+                 "(into)", "rel err"],
+                floatfmt=(None, None, None, None, ".3f", ".3f", ".3f", ".3f", ".2f", ".3f", ".3f", ".1e"),
+                colalign=("right", "left", "left") + ("right",) * 9))
 
 
 def main(argv: list[str] | None = None) -> None:

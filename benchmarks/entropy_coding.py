@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 from _machine import describe  # noqa: E402
+from _table import table  # noqa: E402
 from codec_speed import CacheFlush  # noqa: E402  (the same flush before every timed operation)
 
 from lightning_clapping.codecs import QuantCodec, get_codec, unpack_bits  # noqa: E402
@@ -418,20 +419,13 @@ def time_codecs(source: torch.Tensor, values: int, warmup: int, repeats: int) ->
 # ---------------------------------------------------------------------------------------------------- report
 
 
-def fmt(v, spec=".2f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'task':<13} {'cut':<8} {'kind':<15} {'codec':<8} {'values':>7} {'packed B':>9} {'H b/v':>6} "
-            f"{'rANS b/v':>8} {'ratio':>6} {'fresh':>6} {'reuse':>6} {'best':>6} {'ideal':>6}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['task']:<13} {r['cut']:<8} {r['kind']:<15} {r['codec']:<8} {r['values_per_message']:>7} "
-              f"{r['packed_bytes_per_step']:>9.0f} {r['entropy_bits_per_value']:>6.2f} "
-              f"{r['rans_code_bits_per_value']:>8.2f} {fmt(r['ratio_mean']):>6} {fmt(r['ratio_fresh']):>6} "
-              f"{fmt(r['ratio_reuse']):>6} {fmt(r['ratio_best_mean']):>6} {fmt(r['ratio_ideal_mean']):>6}")
+    print(table([(r["task"], r["cut"], r["kind"], r["codec"], r["values_per_message"], r["packed_bytes_per_step"],
+                  r["entropy_bits_per_value"], r["rans_code_bits_per_value"], r["ratio_mean"], r["ratio_fresh"],
+                  r["ratio_reuse"], r["ratio_best_mean"], r["ratio_ideal_mean"]) for r in rows],
+                ["task", "cut", "kind", "codec", "values", "packed B", "H b/v", "rANS b/v", "ratio", "fresh", "reuse",
+                 "best", "ideal"],
+                floatfmt=(None,) * 5 + (".0f", ".2f", ".2f") + (".2f",) * 5, colalign=("left",) * 4 + ("right",) * 9))
 
 
 def print_timing(t: dict) -> None:

@@ -27,6 +27,7 @@ from char_lm import CharTransformer  # noqa: E402
 from datasets import ShakespeareDataModule, missing_reason  # noqa: E402
 
 import lightning_clapping  # noqa: E402
+from _table import table  # noqa: E402
 
 MODES = {  # stages, layers, d, block, batch, microbatches, steps, val batches, data limit
     "tiny": (2, 2, 32, 32, 8, 2, 6, 2, 2000),
@@ -100,11 +101,10 @@ def main(argv: list[str] | None = None) -> None:
             f.write(f"{r['threshold']},{r['bytes']:.0f},{r['skipped_messages']:.0f},{r['val_loss']:.4f},"
                     f"{r['bytes_saved_vs_off']:.4f},{r['val_loss_change_vs_off']:.4f}\n")
     print(f"\nlazy messages, {mode} mode: {summary['setup']}")
-    print(f"{'threshold':>10s} {'MB sent':>9s} {'skipped':>8s} {'saved':>7s} {'val loss':>9s} {'change':>8s}")
-    for r in rows:
-        t = "off" if r["threshold"] is None else f"{r['threshold']:g}"
-        print(f"{t:>10s} {r['bytes'] / 1e6:9.2f} {r['skipped_messages']:8.0f} {r['bytes_saved_vs_off']:7.1%} "
-              f"{r['val_loss']:9.4f} {r['val_loss_change_vs_off']:+8.4f}")
+    print(table([("off" if r["threshold"] is None else f"{r['threshold']:g}", r["bytes"] / 1e6, r["skipped_messages"],
+                  f"{r['bytes_saved_vs_off']:.1%}", r["val_loss"], f"{r['val_loss_change_vs_off']:+.4f}") for r in rows],
+                ["threshold", "MB sent", "skipped", "saved", "val loss", "change"],
+                floatfmt=(None, ".2f", ".0f", None, ".4f"), colalign=["right"] * 6))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _table import table
+
 ROOT = Path(__file__).resolve().parent.parent
 
 RUNS = [  # name, example arguments
@@ -52,17 +54,18 @@ def row(name: str, report: dict) -> dict:
             "tied_raw": tied_raw, "sent": per["bytes"]}
 
 
+def table_of(rows: list[dict]) -> str:
+    return table([(r["run"], r["cut_inputs_raw"] / 1e3, r["crossing_raw"] / 1e3, r["tied_raw"] / 1e3, r["sent"] / 1e3)
+                  for r in rows], ["run", "cut inputs kB", "crossing kB", "tied sum kB", "sent kB"], floatfmt=".1f")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     rows = [row(name, run(extra, args.steps)) for name, extra in RUNS]
-    print(f"{'run':36s} | {'cut inputs kB':>13s} | {'crossing kB':>11s} | {'tied sum kB':>11s} | {'sent kB':>9s}")
-    print("-" * 92)
-    for r in rows:
-        print(f"{r['run']:36s} | {r['cut_inputs_raw'] / 1e3:13.1f} | {r['crossing_raw'] / 1e3:11.1f} | "
-              f"{r['tied_raw'] / 1e3:11.1f} | {r['sent'] / 1e3:9.1f}")
+    print(table_of(rows))
     print("per training step, uncompressed (fp32) except 'sent'; 4 stages, batch 16 x 64 characters, 4 micro-batches")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "model_bytes.json").write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1))

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _machine import describe  # noqa: E402
+from _table import table  # noqa: E402
 
 SIZES = {  # name: (layers = stages, d, heads, block, batch, microbatches, vocab, timed steps, warm-up, rounds)
     "tiny": (2, 16, 2, 8, 4, 2, 16, 2, 1, 1),
@@ -230,9 +231,9 @@ def main(argv=None):
             for i, v in enumerate(values):
                 f.write(f"{name},{i},{v:.3f}\n")
     print(f"machine: {summary['machine']}\nsetup: {summary['setup']}")
-    print(f"\n{'method':18s} {'median samples/s':>17s}  rounds")
-    for name, values in results.items():
-        print(f"{name:18s} {med[name]:17.1f}  {', '.join(f'{v:.1f}' for v in values)}")
+    print()
+    print(table([(name, med[name], ", ".join(f"{v:.1f}" for v in values)) for name, values in results.items()],
+                ["method", "median samples/s", "rounds"], floatfmt=(None, ".1f"), colalign=("left", "right", "left")))
     print(f"\nlightning / torch_pipelining     = {summary['lightning_vs_torch_pipelining']:.3f}  (target >= 0.95: "
           f"{'met' if summary['lightning_vs_torch_pipelining'] >= 0.95 else 'not met'})")
     print(f"bare_executor / torch_pipelining = {summary['bare_executor_vs_torch_pipelining']:.3f}")

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _table import table  # noqa: E402
 from lightning_clapping.planner import PRESETS, plan  # noqa: E402
 from lightning_clapping.sync import DiLoCo  # noqa: E402
 KINDS = ("activations", "tied", "replica", "total")
@@ -80,12 +81,10 @@ def comparison_rows(measured: dict) -> list[dict]:
 
 def print_comparison(rows: list[dict]) -> None:
     print("\npredicted / measured, per replica per optimizer step (MB), mean over the measured run's counted steps")
-    print(f"{'variant':20s} {'kind':12s} {'predicted':>11s} {'measured':>11s} {'ratio':>8s} {'hidden only':>12s}")
-    for r in rows:
-        for k in KINDS:
-            c = r[k]
-            print(f"{r['variant']:20s} {k:12s} {c['predicted'] / 1e6:11.6f} {c['measured'] / 1e6:11.6f} "
-                  f"{c['ratio']:8.5f} {c['hidden_state_only_ratio']:12.4f}")
+    print(table([(r["variant"], k, r[k]["predicted"] / 1e6, r[k]["measured"] / 1e6, r[k]["ratio"],
+                  r[k]["hidden_state_only_ratio"]) for r in rows for k in KINDS],
+                ["variant", "kind", "predicted", "measured", "ratio", "hidden only"],
+                floatfmt=(None, None, ".6f", ".6f", ".5f", ".4f")))
 
 
 def main() -> None:

@@ -112,6 +112,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     from _machine import describe
+    from _table import table
     from lightning_clapping.comm.replicas import BUCKET_BYTES
 
     with socket.socket() as s:
@@ -130,11 +131,11 @@ def main() -> None:
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(f"{result['parameters']} parameters, buckets of {result['bucket_bytes'] >> 20} MiB, 2 gloo ranks, "
           f"{steps} steps")
-    print(f"{'way':<24} {'bytes/step (rank 1)':>20} {'vs before':>10} {'median ms':>10} {'vs before':>10}")
-    for way in WAYS:
-        r = result["ways"][way]
-        print(f"{way:<24} {r['bytes_per_step_rank1']:>20,} {r['bytes_vs_before']:>10.5f} {r['median_ms']:>10.2f} "
-              f"{r['time_vs_before']:>10.3f}")
+    ways = result["ways"]
+    print(table([(w, ways[w]["bytes_per_step_rank1"], ways[w]["bytes_vs_before"], ways[w]["median_ms"],
+                  ways[w]["time_vs_before"]) for w in WAYS],
+                ["way", "bytes/step (rank 1)", "vs before", "median ms", "vs before"],
+                floatfmt=(None, ",", ".5f", ".2f", ".3f")))
     print(f"saved {args.out / name}")
 
 

@@ -37,6 +37,7 @@ import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
 from lightning_clapping import DiLoCo  # noqa: E402
+import _table  # noqa: E402
 from _quality_tasks import TASKS  # noqa: E402
 from quality import Recorder, quiet  # noqa: E402
 
@@ -119,11 +120,11 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'task':<15} {'config':<42} {'metric':>8} {'vs every-step':>13} {'MB/step':>9} {'fewer':>7} ok"]
-    for r in rows:
-        lines.append(f"{r['task']:<15} {r['config']:<42} {r['metric']:>8.4f} {r['delta']:>+10.2f} {r['delta_unit']:<2}"
-                     f" {r['bytes_per_step'] / 1e6:>9.3f} {r['fewer_bytes']:>6.1f}x {'yes' if r['within_tolerance'] else 'NO'}")
-    return "\n".join(lines)
+    return _table.table([(r["task"], r["config"], r["metric"], f"{r['delta']:+.2f} {r['delta_unit']}",
+                          r["bytes_per_step"] / 1e6, f"{r['fewer_bytes']:.1f}x",
+                          "yes" if r["within_tolerance"] else "NO") for r in rows],
+                        ["task", "config", "metric", "vs every-step", "MB/step", "fewer", "ok"],
+                        floatfmt=(None, None, ".4f", None, ".3f"), colalign=("left", "left") + ("right",) * 4 + ("left",))
 
 
 def main() -> None:

@@ -104,15 +104,16 @@ def main() -> None:
     table = {name: {"samples_per_s": statistics.median(v), "vs_pp_1x4": statistics.median(v) / base, "runs": v}
              for name, v in runs.items()}
     from _machine import describe
+    from _table import table as text_table
 
     result = {"mode": mode, "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds,
               "global_batch": GLOBAL_BATCH, "machine": describe(), "layouts": table,
               "command": "python benchmarks/replicas_throughput.py" + (f" --{mode}" if mode != "full" else "")}
     if mode != "tiny":
         (out / "replicas_throughput.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{'layout':14s} {'samples/s':>10s} {'vs 1x4':>7s}")
-    for name, row in table.items():
-        print(f"{name:14s} {row['samples_per_s']:10.1f} {row['vs_pp_1x4']:7.2f}")
+    print()
+    print(text_table([(name, row["samples_per_s"], row["vs_pp_1x4"]) for name, row in table.items()],
+                     ["layout", "samples/s", "vs 1x4"], floatfmt=(None, ".1f", ".2f")))
 
 
 if __name__ == "__main__":

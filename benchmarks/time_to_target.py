@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SLOW_NETWORK = ROOT / "benchmarks" / "slow_network.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _slow_network_report import _fmt  # noqa: E402
+from _table import markdown_table  # noqa: E402
 from _slow_network_settings import Mode, fp32_message_bytes, parse_link  # noqa: E402
 
 DEFAULT_LINKS = ["10@25", "25@25", "50@25", "100@25", "200@25"]
@@ -279,13 +280,13 @@ TABLE_LEGEND = (
 def print_table(result: dict) -> None:
     """Markdown: one row per link and setting."""
     print(f"target: validation loss {_fmt(result['target_val_loss'], '.4f')} (uncompressed at its last step)\n")
-    print("| link | setting | mean step s | steps to target | time to target s | x unc | first | trajectory |")
-    print("|---|---|---:|---:|---:|---:|:-:|---|")
-    for r in result["rows"]:
-        steps = str(r["steps_to_target"]) if r["steps_to_target"] is not None else r["status"]
-        print(f"| {r['link']} | {r['setting']} | {_fmt(r['mean_step_s'], '.3f')} | {steps} | "
-              f"{_fmt(r['time_to_target_s'], '.1f')} | {_fmt(r['x_uncompressed'], '.2f')} | "
-              f"{'**first**' if r['first'] else ''} | {r['trajectory'] or '-'} |")
+    print(markdown_table(
+        [(r["link"], r["setting"], r["mean_step_s"],
+          str(r["steps_to_target"]) if r["steps_to_target"] is not None else r["status"], r["time_to_target_s"],
+          r["x_uncompressed"], "**first**" if r["first"] else "", r["trajectory"] or "-") for r in result["rows"]],
+        ["link", "setting", "mean step s", "steps to target", "time to target s", "x unc", "first", "trajectory"],
+        floatfmt=(None, None, ".3f", None, ".1f", ".2f"),
+        colalign=("left", "left", "right", "right", "right", "right", "center", "left")))
     print()
     for link, setting in result["first"].items():
         print(f"first to the target on {link}: {setting or 'nobody'}")
