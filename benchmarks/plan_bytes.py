@@ -45,6 +45,10 @@ VARIANTS = {
         {**FC, "tied_codec": SPARSE, "replica_sync": DiLoCo(inner_steps=16, codec=SPARSE)}, True),
     f"clapping-fc q4/q8, tied topk:0.02+q4, diloco H=32 {SPARSE}": (
         {**FC, "tied_codec": "topk:0.02+q4", "replica_sync": DiLoCo(inner_steps=32, codec=SPARSE)}, True),
+    f"clapping-fc q4/q8, tied {SPARSE}, diloco H=16 q4": (
+        {**FC, "tied_codec": SPARSE, "replica_sync": DiLoCo(inner_steps=16, codec="q4")}, True),
+    "clapping-fc q4/q8, tied q4, diloco H=16 q4": (
+        {**FC, "tied_codec": "q4", "replica_sync": DiLoCo(inner_steps=16, codec="q4")}, True),
 }
 TOLERANCE = 0.05
 

@@ -55,6 +55,9 @@ CONFIGS: dict[str, dict] = {
     "diloco H=16 avg q4": {"replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4")},
     f"diloco H=8 {SPARSE}": {"replica_sync": DiLoCo(inner_steps=8, codec=SPARSE)},
     f"diloco H=16 {SPARSE}": {"replica_sync": DiLoCo(inner_steps=16, codec=SPARSE)},
+    "clapping-fc q4/q8 + diloco H=16 q4": {
+        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
+        "backward_codec": "q8"},
     f"clapping-fc q4/q8 + diloco H=8 {SPARSE}": {
         "replica_sync": DiLoCo(inner_steps=8, codec=SPARSE), "variant": "clapping-fc", "forward_codec": "q4",
         "backward_codec": "q8"},
@@ -138,6 +141,8 @@ def main() -> None:
     ap.add_argument("--add", action="store_true", help="keep the runs already in OUT's results file (other configs)")
     args = ap.parse_args()
     quiet()
+    if args.tiny and args.configs == list(CONFIGS):
+        args.configs = ["every-step", "diloco H=8 q4"]
     plan = [Run(task, config, seed, TINY["steps"] if args.tiny else int(STEPS[task] * args.steps_scale) // 16 * 16,
                 TINY["limit"] if args.tiny else None, TINY["eval_samples"] if args.tiny else None)
             for seed in range(1 if args.tiny else args.seeds) for task in args.tasks for config in args.configs]

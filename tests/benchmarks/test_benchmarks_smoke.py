@@ -142,3 +142,24 @@ def test_bytes_by_kind_counts_the_replicas_average_as_the_models_gradients_and_t
         assert r["tied_bytes_per_step"] > 0 and r["pipeline_messages_per_step"] > 0
     assert rows[1]["pipeline_messages_per_step"] < rows[0]["pipeline_messages_per_step"]  # compression acts there
     assert rows[1]["tied_bytes_per_step"] == rows[0]["tied_bytes_per_step"]  # and only there
+
+
+def test_replica_sync_counts_every_step_averaging_as_the_gradients_and_diloco_once_per_interval(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _quality_tasks import TASKS
+
+    reason = TASKS["fashion_mnist"].missing()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replica_sync.py"), "--tiny", "--tasks",
+                           "fashion_mnist", "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    rows = {r["config"]: r for r in json.loads((tmp_path / "replica_sync_tiny.json").read_text())["runs"]}
+    every, diloco = rows["every-step"], rows["diloco H=8 q4"]
+    # 2 replicas: each rank sends its stage's fp32 gradients once per step (and a 4-byte flag per tensor)
+    assert every["gradient_bytes"] < every["replica_per_step"] < every["gradient_bytes"] * 1.001
+    # DiLoCo H=8 with 4-bit pseudo-gradients: the change once per 8 steps, all-gathered as q4 payloads
+    assert 0 < diloco["replica_per_step"] < every["replica_per_step"] / 8 / 6
+    assert diloco["pipeline_per_step"] == every["pipeline_per_step"]  # the pipeline's messages are not its business
