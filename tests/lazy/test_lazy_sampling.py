@@ -98,7 +98,7 @@ def record_decisions():
 
 _DECISION_SCRIPT = """
 import json, sys
-sys.path.insert(0, {tests_dir!r})
+sys.path[:0] = [{here!r}, {tests_dir!r}]
 from test_lazy_sampling import record_decisions
 print(json.dumps(record_decisions()))
 """
@@ -106,7 +106,8 @@ print(json.dumps(record_decisions()))
 
 def test_decision_sequence_is_identical_in_separate_processes():
     # two child processes (importing lightning takes seconds, so not more) plus this one
-    script = _DECISION_SCRIPT.format(tests_dir=str(Path(__file__).resolve().parents[1]))
+    here = Path(__file__).resolve().parent  # this module; tests/ for what it imports from there
+    script = _DECISION_SCRIPT.format(here=str(here), tests_dir=str(here.parent))
     procs = []
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
