@@ -36,7 +36,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
-from lightning_clapping import DiLoCo  # noqa: E402
+from lightning_clapping import LAG, DiLoCo  # noqa: E402
 import _table  # noqa: E402
 from _quality_tasks import TASKS  # noqa: E402
 from quality import Recorder, quiet  # noqa: E402
@@ -46,6 +46,7 @@ SPARSE = "topk:0.05+q4"  # the 5 % largest of each tensor in 4 bits with their p
 CONFIGS: dict[str, dict] = {
     "every-step": {},
     "lag": {"replica_sync": "lag"},
+    "lag, reference=average": {"replica_sync": LAG(reference="average")},
     "diloco H=8": {"replica_sync": DiLoCo(inner_steps=8)},
     "diloco H=8 avg": {"replica_sync": DiLoCo(inner_steps=8, outer_lr=1.0, momentum=0.0)},  # plain model averaging
     "diloco H=16": {"replica_sync": DiLoCo(inner_steps=16)},

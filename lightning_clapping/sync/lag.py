@@ -23,7 +23,8 @@ side is about the number of coordinates, far above a gradient's change: with the
 almost never fires and the optimizer steps on gradients many steps old (measured: 95-99 % of the uploads skipped and
 training ruined on both quality tasks, BENCHMARKS "Data parallel over slow links"). A smaller ``threshold`` fires
 more; with a threshold of 0 every changed gradient is sent. ``LAG(reference="average")`` measures the right-hand side
-by the squared norms of the last D averaged gradients, which is what the steps measure under gradient descent.
+by the squared norms of the last D averaged gradients, which is what the steps measure under gradient descent; then
+the sampling noise of stochastic gradients keeps the trigger firing (9 % and 49 % skipped on the two tasks).
 """
 
 from __future__ import annotations
