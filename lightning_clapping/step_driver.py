@@ -43,6 +43,7 @@ from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
 from lightning_clapping.stage_setup import Patches
 from lightning_clapping.sync import make_sync
+from lightning_clapping.sync.base import check_same_start
 from lightning_clapping.tuning import Tuning
 
 
@@ -92,6 +93,8 @@ class StepDriver:
         module, trainer, device = self.module, self.module.trainer, self.placement.device
         if self.sync is not None and not self._stage_params:  # the fit's first step (a resumed replica's own state)
             self._stage_params = _stage_params(optimizers)
+            if self.placement.num_replicas > 1:
+                check_same_start(self._stage_params, self.placement.dp_group, device, self.placement.stage)
             self.sync.on_train_start(self._stage_params, optimizers)
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:

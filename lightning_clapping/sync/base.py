@@ -99,6 +99,29 @@ class ReplicaSync:
         return 0
 
 
+def check_same_start(params: list[torch.nn.Parameter], group: Any, device: torch.device, stage: int) -> None:
+    """Collective over the stage's replicas, at a fit's first step: the replicas must start from the same weights
+    (nothing broadcasts one replica's, unlike DDP), or every mode would train them apart for good. Compares a
+    fingerprint of the stage's parameters (two float64 sums: 16 bytes each way, not counted in the byte totals)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        mine = torch.zeros(2, dtype=torch.float64, device=device)
+        for p in params:
+            x = p.detach().double()
+            mine += torch.stack([x.sum(), (x * x).sum()])
+    high, low = mine.clone(), mine.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(high, low):
+        raise RuntimeError(
+            f"the replicas of stage {stage} start from different weights: each process built its model from its own "
+            "random numbers, so the replicas would train apart. Seed the model's construction the same way on every "
+            "process (lightning.seed_everything(seed) before building the LightningModule), or load the same "
+            "checkpoint on every process."
+        )
+
+
 def ring_share(replicas: int) -> float:
     """What each rank sends in a ring all-reduce, per byte of the buffer: ``2 (R - 1) / R``."""
     return 2 * (replicas - 1) / replicas

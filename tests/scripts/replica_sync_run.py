@@ -7,6 +7,7 @@ model's final weights OUT/weights_<config>.pt.
 """
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -39,13 +40,14 @@ CONFIGS = {  # name: (replica_sync, max_steps, optimizer)
     "diloco3_q8_first": (DiLoCo(inner_steps=3, codec="q8"), 4, "sgd"),  # sharded, with residuals
     "diloco3_q8_rest": (DiLoCo(inner_steps=3, codec="q8"), 6, "sgd"),
     "every_rest": ("every-step", 6, "adam"),  # from diloco3_first's checkpoint: its sync state is not used
+    "apart": ("every-step", 2, "sgd"),  # each process seeds its model differently: refused at the first step
 }
 SHARDED = {"diloco3_q8_first", "diloco3_q8_rest"}
 
 
 def run(out: Path, name: str) -> None:
     sync, steps, optimizer = CONFIGS[name]
-    torch.manual_seed(0)
+    torch.manual_seed(int(os.environ.get("LOCAL_RANK", "0")) if name == "apart" else 0)
     model = SequentialMLP(lr=0.1, optimizer=optimizer)
     x, y = classification_data(n=32, seed=1)  # 2 batches per replica and epoch: step 4 ends an epoch
     strategy = lightning_clapping.ClappingStrategy(split_points=["net.4"], microbatches=2, replica_sync=sync,

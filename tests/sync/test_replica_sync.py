@@ -134,3 +134,11 @@ def test_a_run_resumed_between_syncs_equals_the_uninterrupted_one_on_every_rank(
 def test_a_checkpoint_of_another_sync_mode_resumes_with_a_warning_that_its_sync_state_is_not_used(runs):
     said = runs.rank("every_rest", 0)["warnings"]
     assert any("replica_sync='diloco'" in w and "'every-step'" in w for w in said), said
+
+
+def test_replicas_built_from_different_random_weights_are_refused_at_the_first_step(tmp_path):
+    # as under DDP the replicas must start alike; nothing broadcasts one replica's weights, so it is checked
+    proc = launch_forked("replica_sync_run.py", str(tmp_path), "apart", ranks=4, cwd=tmp_path, timeout=300,
+                         expect_ok=False)
+    assert proc.returncode != 0
+    assert "start from different weights" in proc.stderr and "seed_everything" in proc.stderr
