@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_clapping.codecs import get_codec
+from lightning_clapping.comm.replicas import ring_share
 from lightning_clapping.comm.wire import HEADER_BYTES, message_nbytes, raw_payload_nbytes
 from lightning_clapping.pipeline.partition import build_partition
 from lightning_clapping.pipeline.schedule import one_f_one_b
@@ -211,7 +212,7 @@ def replica_bytes(shapes: list[torch.Size], replicas: int, mode: Any, lag_send_f
     """(sent, every-step fp32 equivalent) by one rank of a stage with these parameters, per optimizer step."""
     if replicas == 1:
         return 0.0, 0.0
-    share, numel = 2 * (replicas - 1) / replicas, sum(math.prod(s) for s in shapes)
+    share, numel = ring_share(replicas), sum(math.prod(s) for s in shapes)
     raw = share * (numel + len(shapes)) * 4  # fp32 gradients and a 4-byte presence flag per tensor
     if isinstance(mode, DiLoCo):  # compressed: an all-gather of the payloads; else an all-reduce, no flags
         payloads = sum(get_codec(mode.codec).payload_nbytes(s, torch.float32) for s in shapes) if mode.codec else 0

@@ -14,6 +14,24 @@ from torch import Tensor
 BUCKET_BYTES = 25 << 20
 
 
+def ring_share(replicas: int) -> float:
+    """What each rank sends in a ring all-reduce, per byte of the buffer: ``2 (R - 1) / R``."""
+    return 2 * (replicas - 1) / replicas
+
+
+def flat_of(tensors: list[Tensor]) -> Tensor:
+    """The tensors' values, one after the other, in one 1-D tensor (a buffer for one collective)."""
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def unflatten_into(flat: Tensor, outs: list[Tensor]) -> None:
+    """Copy ``flat``'s values back into ``outs`` in order (the inverse of :func:`flat_of`)."""
+    offset = 0
+    for t in outs:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 class GradientAverager:
     """Average a stage's gradients over its replicas: bucketed, asynchronous all-reduces.
 
@@ -81,9 +99,9 @@ class GradientAverager:
         first, self.sent_bytes, self.raw_bytes = 0, 0.0, 0.0
         for index, bucket_grads in enumerate(buckets):
             last = index == len(buckets) - 1
-            flat = torch.cat([g.reshape(-1) for g in bucket_grads] + ([flags] if last else []))
+            flat = flat_of(bucket_grads + ([flags] if last else []))
             if self.counted:
-                share = 2 * (self.replicas - 1) / self.replicas * flat.numel()
+                share = ring_share(self.replicas) * flat.numel()
                 self.sent_bytes += share * flat.element_size()
                 self.raw_bytes += share * (4 if flat.is_floating_point() else flat.element_size())  # fp32, as raw
             work, bucket = None, None
@@ -110,10 +128,7 @@ class GradientAverager:
             else:  # a hook's future holds the averaged buffer
                 value = work.wait()
                 flat = value[0] if isinstance(value, (list, tuple)) else value
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            unflatten_into(flat, grads)  # the last bucket's flags stay at its end
         params, self._params = self._params, []
         if self._complete:
             return  # this replica's flags are all set, so every parameter keeps its (averaged) gradient

@@ -22,7 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from lightning_clapping.comm.replicas import ring_share
 
 
 class ReplicaSync:
@@ -103,8 +106,6 @@ def check_same_start(params: list[torch.nn.Parameter], group: Any, device: torch
     """Collective over the stage's replicas, at a fit's first step: the replicas must start from the same weights
     (nothing broadcasts one replica's, unlike DDP), or every mode would train them apart for good. Compares a
     fingerprint of the stage's parameters (two float64 sums: 16 bytes each way, not counted in the byte totals)."""
-    import torch.distributed as dist
-
     with torch.no_grad():
         mine = torch.zeros(2, dtype=torch.float64, device=device)
         for p in params:
@@ -120,23 +121,3 @@ def check_same_start(params: list[torch.nn.Parameter], group: Any, device: torch
             "process (lightning.seed_everything(seed) before building the LightningModule), or load the same "
             "checkpoint on every process."
         )
-
-
-def ring_share(replicas: int) -> float:
-    """What each rank sends in a ring all-reduce, per byte of the buffer: ``2 (R - 1) / R``."""
-    return 2 * (replicas - 1) / replicas
-
-
-def flat_of(tensors: list[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-
-
-def unflatten_into(flat: Tensor, outs: list[Tensor]) -> None:
-    offset = 0
-    for t in outs:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def nbytes(tensors: list[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_clapping.sync.base import ReplicaSync, flat_of, ring_share, unflatten_into
+from lightning_clapping.comm.replicas import flat_of, ring_share, unflatten_into
+from lightning_clapping.sync.base import ReplicaSync
 from lightning_clapping.sync.config import LAG
 
 
@@ -50,7 +51,6 @@ class LazyAggregation(ReplicaSync):
         self.stale: dict[int, Tensor] = {}  # the replicas' average of their last sent gradients (the same everywhere)
         self.moves: dict[int, deque[float]] = {}  # ||p_(k+1) - p_k||^2 of the last D steps, per tensor
         self.before: dict[int, Tensor] = {}  # the parameters before the step (for the next move)
-        self.sent_tensors = self.checked_tensors = 0  # this replica's firings and decisions, for the skip rate
         self._pending: tuple[Any, Tensor, list[Tensor], list[int], list[bool]] | None = None
         self._params: list[torch.nn.Parameter] = []
 
@@ -59,16 +59,14 @@ class LazyAggregation(ReplicaSync):
         self._params = list(params)
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float() for p in params]
         fire = [self._fires(i, g, alpha) for i, g in enumerate(grads)]
-        self.checked_tensors += len(fire)
-        self.sent_tensors += sum(fire)
         device = self.device
         counts = torch.tensor(fire, dtype=torch.uint8, device=device)
         dist.all_reduce(counts, group=self.group)
         share = ring_share(self.replicas)
         self.count_every_step_equivalent(params, self.replicas)
         self.count(share * counts.numel())
-        sent_idx = [i for i, c in enumerate(counts.tolist()) if c > 0]
         per_tensor = counts.tolist()
+        sent_idx = [i for i, c in enumerate(per_tensor) if c > 0]
         whole = [per_tensor[i] == self.replicas or i not in self.stale for i in sent_idx]
         parts = []
         for i, all_fired in zip(sent_idx, whole):
@@ -126,17 +124,12 @@ class LazyAggregation(ReplicaSync):
             self.moves.setdefault(i, deque(maxlen=self.mode.memory)).append(value)
         self.before.clear()
 
-    @property
-    def skip_rate(self) -> float:
-        return 1.0 - self.sent_tensors / self.checked_tensors if self.checked_tensors else 0.0
-
     def state_dict(self) -> dict[str, Tensor]:
-        """Flat, tensors only (a checkpoint's per-rank buffers): the last sent gradients, the stale average, the
-        parameter-change history and the firing counts."""
+        """Flat, tensors only (a checkpoint's per-rank buffers): the last sent gradients, the stale average and the
+        parameter-change history."""
         out = {f"last_sent.{i}": t.cpu() for i, t in self.last_sent.items()}
         out.update({f"stale.{i}": t.cpu() for i, t in self.stale.items()})
         out.update({f"moves.{i}": torch.tensor(list(m), dtype=torch.float64) for i, m in self.moves.items()})
-        out["counts"] = torch.tensor([self.sent_tensors, self.checked_tensors])
         return out
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -146,7 +139,6 @@ class LazyAggregation(ReplicaSync):
         self.last_sent = {i: t.to(self.device) for i, t in part("last_sent").items()}
         self.stale = {i: t.to(self.device) for i, t in part("stale").items()}
         self.moves = {i: deque(m.tolist(), maxlen=self.mode.memory) for i, m in part("moves").items()}
-        self.sent_tensors, self.checked_tensors = (int(v) for v in state["counts"].tolist())
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.last_sent, self.stale, self.before)

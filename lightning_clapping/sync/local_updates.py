@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_clapping.codecs import get_codec
-from lightning_clapping.sync.base import ReplicaSync, flat_of, ring_share, unflatten_into
+from lightning_clapping.comm.replicas import flat_of, ring_share, unflatten_into
+from lightning_clapping.sync.base import ReplicaSync
 from lightning_clapping.sync.config import DiLoCo
 
 
@@ -82,9 +83,7 @@ class LocalUpdates(ReplicaSync):
         """Collective over the stage's replicas: the outer step on the tensors ``indices``."""
         deltas = [self.anchor[i] - params[i].detach().float() for i in indices]
         average = self._average(indices, deltas)
-        assert self.outer is not None
-        for i, a in enumerate(self.anchor):
-            a.grad = None
+        assert self.outer is not None  # the anchor's .grad is None outside sync(): only these tensors step
         for i, avg in zip(indices, average):
             self.anchor[i].grad = avg
         self.outer.step()
@@ -111,11 +110,12 @@ class LocalUpdates(ReplicaSync):
             out = [torch.empty_like(d) for d in deltas]
             unflatten_into(flat.div_(self.replicas), out)
             return out
-        payloads = []
+        payloads, own = [], []  # own: this replica's payloads decoded (for its residual, and its term of the sum)
         for i, d in zip(indices, deltas):
             x = d + self.residual[i] if i in self.residual else d
             payload = self.codec.encode(x, seed=self._seed(self.replica))
-            self.residual[i] = x - self.codec.decode(payload, x.shape, x.dtype, seed=self._seed(self.replica))
+            own.append(self.codec.decode(payload, x.shape, x.dtype, seed=self._seed(self.replica)))
+            self.residual[i] = x - own[-1]
             payloads.append(payload)
         mine = torch.cat(payloads)
         gathered = [torch.empty_like(mine) for _ in range(self.replicas)]
@@ -124,8 +124,9 @@ class LocalUpdates(ReplicaSync):
         sums = [torch.zeros_like(d) for d in deltas]
         for r, blob in enumerate(gathered):  # in replica order: the same sum on every replica
             offset = 0
-            for s, p in zip(sums, payloads):
-                s += self.codec.decode(blob[offset:offset + p.numel()], s.shape, s.dtype, seed=self._seed(r))
+            for k, (s, p) in enumerate(zip(sums, payloads)):
+                s += own[k] if r == self.replica else self.codec.decode(blob[offset:offset + p.numel()], s.shape,
+                                                                        s.dtype, seed=self._seed(r))
                 offset += p.numel()
         return [s / self.replicas for s in sums]
 
