@@ -43,7 +43,7 @@ from lightning_clapping.pipeline.partition import Partition
 from lightning_clapping.pipeline.stage import StageRunner
 from lightning_clapping.stage_setup import Patches
 from lightning_clapping.sync import make_sync
-from lightning_clapping.sync.base import check_same_start
+from lightning_clapping.sync.base import check_same_start, stage_params
 from lightning_clapping.tuning import Tuning
 
 
@@ -92,7 +92,7 @@ class StepDriver:
         left in ``.grad`` for the optimizer step, and the last stage's loss (and outputs) returned on every rank."""
         module, trainer, device = self.module, self.module.trainer, self.placement.device
         if self.sync is not None and not self._stage_params:  # the fit's first step (a resumed replica's own state)
-            self._stage_params = _stage_params(optimizers)
+            self._stage_params = stage_params(optimizers)
             if self.placement.num_replicas > 1:
                 check_same_start(self._stage_params, self.placement.dp_group, device, self.placement.stage)
             self.sync.on_train_start(self._stage_params, optimizers)
@@ -135,7 +135,7 @@ class StepDriver:
         last_backward = not _compat.should_accumulate(self.module.trainer)
         if self.sync is not None and last_backward:
             # this stage's last backward is done: the replicas may sync while the pipeline drains
-            self._stage_params = _stage_params(optimizers)
+            self._stage_params = stage_params(optimizers)
             self.sync.after_backward(self._stage_params, optimizers)
         if self.sync is not None:  # what it sent since the last step (a local-update sync: after that step)
             stats.replica_bytes, stats.replica_raw_bytes = self.sync.take_bytes()
@@ -352,20 +352,6 @@ class StepDriver:
         for name, value in values.items():
             pl.LightningModule.log(self.module, name, float(value), on_step=True, on_epoch=False,
                                    batch_size=batch_size, prog_bar=name == "clapping/ratio" and ratio_on_bar)
-
-
-def _stage_params(optimizers: list[Any]) -> list[torch.nn.Parameter]:
-    """This stage's trainable parameters, with a gradient or not (replicas may differ in which got one), in the same
-    order on every replica; the other stages' (on the meta device) are left out."""
-    seen: set[int] = set()
-    out = []
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and not p.is_meta and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
 
 
 def _rng_base() -> int:

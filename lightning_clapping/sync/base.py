@@ -121,3 +121,17 @@ def check_same_start(params: list[torch.nn.Parameter], group: Any, device: torch
             "process (lightning.seed_everything(seed) before building the LightningModule), or load the same "
             "checkpoint on every process."
         )
+
+
+def stage_params(optimizers: list[Any]) -> list[torch.nn.Parameter]:
+    """This stage's trainable parameters, with a gradient or not (replicas may differ in which got one), in the same
+    order on every replica; the other stages' (on the meta device) are left out."""
+    seen: set[int] = set()
+    out = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and not p.is_meta and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
