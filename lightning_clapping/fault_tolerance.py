@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_clapping.comm.replicas import GradientAverager
+from lightning_clapping.comm.replicas import GradientAverager, ring_share
 from lightning_clapping.data import LazySamplingDataModule
 from lightning_clapping.ft.config import FaultTolerance
 from lightning_clapping.ft.group import ReplicaGroup, average_bucket
@@ -39,33 +43,41 @@ from lightning_clapping.ft.sampler import shard_loader
 from lightning_clapping.lazy.sampler import LazySampler
 from lightning_clapping.lazy.source import make_source
 from lightning_clapping.stage_setup import Patches, shard_lazy_data
+from lightning_clapping.sync.base import stage_params
+from lightning_clapping.sync.config import DiLoCo
 from lightning_clapping.sync.every_step import EveryStepSync
+from lightning_clapping.sync.local_updates import LocalUpdates
 
 log = logging.getLogger(__name__)
 
 
-def join(driver: Any, patches: Patches) -> TorchftSync | None:
+def join(driver: Any, patches: Patches) -> GroupSeat | None:
     """In ``setup()``, when fitting with ``fault_tolerance`` set: the replica sync of the run's step driver, which
     joins the quorum (``patches``: the lazy data module's sharding, set for the run)."""
     config = driver.options.fault_tolerance
     trainer = driver.module.trainer
     if config is None or trainer.state.fn != TrainerFn.FITTING:
         return None
+    mode = driver.options.replica_sync
+    if isinstance(mode, DiLoCo):
+        return TorchftLocalUpdates(driver, trainer, config.resolved(), patches, mode)
     return TorchftSync(driver, trainer, config.resolved(), patches)
 
 
 def replica_group(trainer: pl.Trainer) -> ReplicaGroup | None:
     """The running fit's :class:`~lightning_clapping.ft.group.ReplicaGroup` (its votes, its heals), if any."""
     steps = getattr(trainer.strategy, "_steps", None)
-    return steps.sync.group if steps is not None and isinstance(steps.sync, TorchftSync) else None
+    return steps.sync.group if steps is not None and isinstance(steps.sync, GroupSeat) else None
 
 
-class TorchftSync(EveryStepSync):
-    """One fit of one rank of a replica group (see the module docstring)."""
+class GroupSeat:
+    """What every fault-tolerant replica sync does besides its own averaging (see the module docstring): the seat in
+    the quorum, joining, the state a peer takes. Mixed in before the mode's :class:`~lightning_clapping.sync.base.
+    ReplicaSync`."""
 
     votes = True
 
-    def __init__(self, driver: Any, trainer: pl.Trainer, config: FaultTolerance, patches: Patches) -> None:
+    def _take_seat(self, driver: Any, trainer: pl.Trainer, config: FaultTolerance, patches: Patches) -> None:
         placement, strategy = driver.placement, trainer.strategy
         if placement.num_replicas != 1:
             raise ValueError(
@@ -78,31 +90,22 @@ class TorchftSync(EveryStepSync):
                              f"{len(strategy.optimizers)}")
         self.trainer, self.strategy, self.driver, self.config = trainer, strategy, driver, config
         self.group = ReplicaGroup(config, placement.global_rank, placement.num_ranks, placement.device)
-        super().__init__(GradientAverager(None, config.num_replica_groups, comm_hook=average_bucket,
-                                          comm_state=self.group))
         self.lazy = isinstance(trainer.datamodule, LazySamplingDataModule)
         if self.lazy:
             shard_lazy_data(trainer.datamodule, config.num_replica_groups, config.replica_group, patches)
         self._loop_state: dict | None = None  # a peer's fit-loop state, taken at the first quorum
         self._loader_state: Any = None  # the lazy loader's state at the last batch end (see after_step)
         self._joining = True  # until the first quorum: the loop and data positions may come from a peer
+        self.healed = False  # whether this rank took a peer's state in the quorum now open
         rank_zero_info(f"ClappingStrategy: replica group {config.replica_group} of {config.num_replica_groups}, "
                        f"lighthouse {config.lighthouse}")
 
-    # ------------------------------------------------------------------ the step
-    def commit(self, step: int) -> bool:
-        if self.group.should_commit():
-            return True
-        log.warning("replica group %d: step %d not committed (a peer failed during it)", self.config.replica_group,
-                    step)
-        return False
-
-    def before_batch(self) -> None:
-        """The quorum of this step, formed as its batch starts: after the previous batch's callbacks (Lightning's
-        mid-epoch checkpoints), none after the last batch. A peer's fit-loop state read meanwhile counts this batch
-        as ready but not completed; a joining group goes on from the completed ones, as Lightning's own restart
-        does. The first step's quorum is the join's, still open."""
-        self.group.start_quorum()
+    def open_quorum(self) -> None:
+        """The quorum of the coming collective (a no-op while one is open); a group that is behind heals in it."""
+        if not self.group.quorum_open:
+            heals = self.group.heals
+            self.group.start_quorum()
+            self.healed = self.group.heals > heals
 
     def close(self) -> None:
         self.group.close()
@@ -114,7 +117,7 @@ class TorchftSync(EveryStepSync):
             return dataloader
         if self.group.manager is None:  # the first train loader (or, with lazy sampling, the one it wraps)
             self.group.connect(self.peer_state, self.load_peer_state)
-            self.group.start_quorum()
+            self.open_quorum()
             self._joining = False
             self._check_join()
         outer = isinstance(dataloader, LazySampler) if self.lazy else True
@@ -124,9 +127,6 @@ class TorchftSync(EveryStepSync):
 
     def _check_join(self) -> None:
         """Collective over the group: every rank took the same peer step, or none did; else the group restarts."""
-        import torch
-        import torch.distributed as dist
-
         taken = -1 if self._loop_state is None else _completed(self._loop_state, "total")
         failed = self.group.manager.errored() is not None
         flags = torch.tensor([float(failed), taken, -taken], device=self.driver.placement.device)
@@ -163,6 +163,7 @@ class TorchftSync(EveryStepSync):
         joining group takes with the loop's counters of the next batch's start (see :meth:`before_batch`)."""
         if self.lazy:
             self._loader_state = self.trainer.fit_loop.state_dict().get("state_dict", {}).get("combined_loader")
+        super().after_step(params)  # type: ignore[misc]
 
     def _loop_at_batch_end(self) -> dict[str, Any]:
         loop = self.trainer.fit_loop.state_dict()
@@ -179,6 +180,7 @@ class TorchftSync(EveryStepSync):
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "precision": strategy.precision_plugin.state_dict(),
             "loop": self._loop_at_batch_end(),
+            "sync": self.state_dict(),  # type: ignore[attr-defined]  # the mode's own (DiLoCo: anchor, momentum)
         }
 
     def load_peer_state(self, state: dict[str, Any]) -> None:
@@ -194,9 +196,81 @@ class TorchftSync(EveryStepSync):
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
         strategy.precision_plugin.load_state_dict(state["precision"])
+        self.load_state_dict(state["sync"])  # type: ignore[attr-defined]
         progress = _completed(state["loop"], "total")
         if self._joining and progress > 0:  # a group that restarted: it goes on where the others are
             self._loop_state = state["loop"]
+
+
+class TorchftSync(GroupSeat, EveryStepSync):
+    """Every-step averaging over the live replica groups: each step's gradients through torchft's all-reduce, and
+    a vote on every optimizer step."""
+
+    def __init__(self, driver: Any, trainer: pl.Trainer, config: FaultTolerance, patches: Patches) -> None:
+        self._take_seat(driver, trainer, config, patches)
+        EveryStepSync.__init__(self, GradientAverager(None, config.num_replica_groups, comm_hook=average_bucket,
+                                                      comm_state=self.group))
+
+    def commit(self, step: int) -> bool:
+        if self.group.should_commit():
+            return True
+        log.warning("replica group %d: step %d not committed (a peer failed during it)", self.config.replica_group,
+                    step)
+        return False
+
+    def before_batch(self) -> None:
+        """The quorum of this step, formed as its batch starts: after the previous batch's callbacks (Lightning's
+        mid-epoch checkpoints), none after the last batch. A peer's fit-loop state read meanwhile counts this batch
+        as ready but not completed; a joining group goes on from the completed ones, as Lightning's own restart
+        does. The first step's quorum is the join's, still open."""
+        self.open_quorum()
+
+
+class TorchftLocalUpdates(GroupSeat, LocalUpdates):
+    """DiLoCo over the live replica groups. The inner steps need no quorum and no vote; each outer step (due after
+    optimizer step ``k``) runs as batch ``k + 1`` starts, where every-step averaging forms its quorum, so that a
+    joining group takes a peer's state between two batches, including the anchor and the outer momentum. The
+    average counts the groups that trained since the anchor (a group that healed in this quorum adds nothing), and
+    the vote decides: committed, the outer step; not (a group failed during the sync), every group drops its inner
+    steps since the anchor and goes on from it. A lost group costs the others at most that one sync's inner steps."""
+
+    deferred = True
+
+    def __init__(self, driver: Any, trainer: pl.Trainer, config: FaultTolerance, patches: Patches,
+                 mode: DiLoCo) -> None:
+        LocalUpdates.__init__(self, mode, None, config.num_replica_groups, 0, driver.placement.device)
+        self._take_seat(driver, trainer, config, patches)
+
+    def commit(self, step: int) -> bool:
+        return True  # an inner step: this group's own
+
+    def before_batch(self) -> None:
+        self._outer_step(self.pending())
+
+    def finish(self, params: list[Any]) -> None:
+        late = [i for i in range(len(self.anchor)) if self.synced_at.get(i, 0) != self.steps]
+        self._outer_step(late if self.steps else [])
+
+    def _outer_step(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        self.open_quorum()
+        self.sync(self._params or stage_params(self.strategy.optimizers), indices)
+
+    def agree(self) -> bool:
+        if self.group.should_commit():
+            return True
+        log.warning("replica group %d: the outer step after step %d not committed (a peer failed during it); the "
+                    "inner steps since the last one are dropped", self.config.replica_group, self.steps)
+        return False
+
+    def _start_mean(self, flat: Tensor) -> Callable[[], Tensor]:
+        weight = 0.0 if self.healed else 1.0
+        buf = torch.cat([flat * weight, flat.new_full((1,), weight)])
+        self.group.manager.allreduce(buf, reduce_op=dist.ReduceOp.SUM).wait()
+        self.count(ring_share(max(self.group.manager.num_participants(), 1)) * buf.numel() * 4)
+        mean = buf[:-1] / buf[-1].clamp(min=1.0)
+        return lambda: mean
 
 
 def _completed(loop: dict[str, Any], which: str) -> int:
@@ -230,6 +304,4 @@ def _retarget(entry: Any, loader: Any, group: int) -> Any:
 
 
 def _as_ids(item: Any) -> Any:
-    import torch
-
     return torch.tensor(item if isinstance(item, list) else [item], dtype=torch.long)

@@ -176,10 +176,7 @@ class ClappingOptions:
         tied = _check_tied_codec(tied_codec)
         fault_tolerance = resolve_fault_tolerance(fault_tolerance)
         sync = resolve_replica_sync(replica_sync)
-        if sync.name != "every-step" and (fault_tolerance is not None or ddp_comm_hook is not None):
-            raise ValueError(f"replica_sync={sync.name!r} syncs the replicas itself: it takes no "
-                             f"{'fault_tolerance' if fault_tolerance is not None else 'ddp_comm_hook'} (not supported "
-                             "together yet; use replica_sync='every-step' with it)")
+        _check_sync_with(sync, fault_tolerance, ddp_comm_hook)
         if fault_tolerance is not None and ddp_comm_hook is not None:
             raise ValueError("fault_tolerance averages gradients over the replica groups through torchft; it takes no "
                              "ddp_comm_hook (drop one of them)")
@@ -254,6 +251,27 @@ def _check_split_points(split_points: Any, stages: Any) -> list[str] | None:
             "split points set the number of stages)"
         )
     return split_points
+
+
+def _check_sync_with(sync: Any, fault_tolerance: Any, ddp_comm_hook: Any) -> None:
+    """The replica sync modes that fault tolerance and a DDP communication hook can run with."""
+    if sync.name != "every-step" and ddp_comm_hook is not None:
+        raise ValueError(f"replica_sync={sync.name!r} syncs the replicas itself: it takes no ddp_comm_hook (a hook "
+                         "averages every step's gradients; use replica_sync='every-step' with it)")
+    if fault_tolerance is None:
+        return
+    if sync.name == "lag":
+        raise ValueError("replica_sync='lag' cannot run with fault_tolerance: every replica reuses a stale sum of all "
+                         "replicas' last sent gradients, which a group that drops out or rejoins would leave wrong on "
+                         "the others. Use replica_sync=DiLoCo(...) (local updates; a lost group costs one sync) or "
+                         "'every-step' with fault_tolerance")
+    if sync.name == "diloco" and sync.codec is not None:
+        raise ValueError(f"replica_sync=DiLoCo(codec={sync.codec!r}) cannot run with fault_tolerance: compressed "
+                         "pseudo-gradients are all-gathered, and torchft's quorum gives an all-reduce only. Use "
+                         "DiLoCo(codec=None) with fault_tolerance")
+    if sync.name == "diloco" and sync.overlap:
+        raise ValueError(f"replica_sync=DiLoCo(overlap={sync.overlap}) cannot run with fault_tolerance: each outer step "
+                         "waits for torchft's vote before the next batch. Use DiLoCo(overlap=0) with fault_tolerance")
 
 
 def _check_tied_codec(value: Any) -> Any:

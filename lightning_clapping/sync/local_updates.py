@@ -13,6 +13,12 @@ fragments, and fragment ``f`` is synced at the steps ``k`` with ``k % inner_step
 fragments % inner_steps``: each tensor is still synced once per ``inner_steps``, but the bytes are spread over the
 interval instead of arriving at once.
 
+``overlap`` = tau > 0 (streaming DiLoCo's overlap): a sync's collective starts after its step and runs while the
+replica takes ``tau`` more inner steps; its outer step lands then, and each replica's parameters become the new anchor
+plus the inner steps it took meanwhile (``params - params at the start``). The anchor stays identical on every
+replica; the parameters agree again at the end of a fit (its last outer step waits for the collectives in flight).
+A checkpoint waits for the syncs in flight and keeps their averages, so a resumed run lands them as this one would.
+
 ``codec``: each replica compresses ``delta + e`` (its pseudo-gradient plus its error-feedback residual ``e``) and
 keeps ``e = delta + e - decode(payload)``; the payloads (one fixed size per tensor shape) are all-gathered and every
 replica decodes all of them and averages in replica order. A ring all-gather sends ``(R - 1)`` payloads per rank;
@@ -24,6 +30,8 @@ which a run without fault tolerance does not have, so this module is written on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +46,9 @@ from lightning_clapping.sync.config import DiLoCo
 
 class LocalUpdates(ReplicaSync):
     name = "diloco"
+    #: whether the outer step due after an optimizer step waits for its owner to call :meth:`sync` on
+    #: :meth:`pending` (fault tolerance runs it at the next batch's quorum) instead of running in :meth:`after_step`
+    deferred = False
 
     def __init__(self, mode: DiLoCo, group: Any, replicas: int, replica: int, device: torch.device) -> None:
         super().__init__()
@@ -52,6 +63,7 @@ class LocalUpdates(ReplicaSync):
         self._params: list[torch.nn.Parameter] = []
         self._optimizers: list[Any] = []
         self._resumed: dict[str, Tensor] = {}  # this replica's own tensors from a checkpoint (on_train_start)
+        self._flights: list[_Flight] = []  # with overlap: the syncs started and not landed yet, oldest first
 
     def after_backward(self, params: list[torch.nn.Parameter], optimizers: list[Any]) -> None:
         self.count_every_step_equivalent(params, self.replicas)
@@ -68,9 +80,18 @@ class LocalUpdates(ReplicaSync):
         if not self.anchor:
             return
         self.steps += 1
-        due = self.due(self.steps)
+        while self._flights and self._flights[0].step + self.mode.overlap <= self.steps:
+            self._land(params, self._flights.pop(0))
+        due = [] if self.deferred else self.due(self.steps)
         if due:
-            self.sync(params, due)
+            self.sync(params, due, overlap=self.mode.overlap > 0)
+
+    def pending(self) -> list[int]:
+        """The tensors whose outer step is due after the last optimizer step and has not run yet (with
+        :attr:`deferred`, until the owner calls :meth:`sync` on them)."""
+        if not self.steps:
+            return []
+        return [i for i in self.due(self.steps) if self.synced_at.get(i, 0) != self.steps]
 
     def due(self, step: int) -> list[int]:
         """The tensor indices synced after optimizer step ``step`` (counted from 1)."""
@@ -79,56 +100,105 @@ class LocalUpdates(ReplicaSync):
         return [i for i in range(len(self.anchor))
                 if (i % f + 1) * h // f % h == phase]
 
-    def sync(self, params: list[torch.nn.Parameter], indices: list[int]) -> None:
-        """Collective over the stage's replicas: the outer step on the tensors ``indices``."""
+    def sync(self, params: list[torch.nn.Parameter], indices: list[int], overlap: bool = False) -> None:
+        """Collective over the stage's replicas: the outer step on the tensors ``indices``, now, or with ``overlap``
+        started now and taken ``mode.overlap`` optimizer steps later (:meth:`after_step`)."""
         deltas = [self.anchor[i] - params[i].detach().float() for i in indices]
-        average = self._average(indices, deltas)
-        assert self.outer is not None  # the anchor's .grad is None outside sync(): only these tensors step
+        start = [params[i].detach().float().clone() for i in indices] if overlap else None
+        flight = _Flight(self.steps, indices, start, self._average(indices, deltas))
+        self.synced_at.update((i, self.steps) for i in indices)
+        if overlap:
+            self._flights.append(flight)
+        else:
+            self._land(params, flight)
+
+    def _land(self, params: list[torch.nn.Parameter], flight: _Flight) -> None:
+        """The outer step of a sync whose average is (or is about to be) in: the anchor steps, and the parameters
+        take it, plus the inner steps this replica took since the sync started (none without overlap)."""
+        average = flight.average()
+        indices = flight.indices
+        if not self.agree():  # the replicas did not all get through: the inner steps since the anchor are dropped
+            with torch.no_grad():
+                for i in indices:
+                    params[i].copy_(self.anchor[i])
+            return
+        assert self.outer is not None  # the anchor's .grad is None outside a landing: only these tensors step
         for i, avg in zip(indices, average):
             self.anchor[i].grad = avg
         self.outer.step()
         with torch.no_grad():
-            for i in indices:
-                params[i].copy_(self.anchor[i])
+            for k, i in enumerate(indices):
+                if flight.start is None or flight.step == self.steps:
+                    params[i].copy_(self.anchor[i])
+                else:
+                    params[i].copy_(self.anchor[i] + (params[i].detach().float() - flight.start[k]))
                 self.anchor[i].grad = None
         self.outer_steps += 1
-        self.synced_at.update((i, self.steps) for i in indices)
+
+    def agree(self) -> bool:
+        """Between the average and the outer step: whether every replica got through the sync (always, without
+        fault tolerance; :class:`lightning_clapping.fault_tolerance.TorchftLocalUpdates` asks the quorum)."""
+        return True
 
     def finish(self, params: list[torch.nn.Parameter]) -> None:
-        """A fit that ends between syncs ends with one more outer step on the tensors not synced since their last
-        inner step, so every replica holds the same model (the one checkpoints and rank 0's module keep)."""
+        """A fit that ends between syncs (or with syncs in flight) ends with them landed and one more outer step on
+        the tensors not synced since their last inner step, so every replica holds the same model (the one
+        checkpoints and rank 0's module keep)."""
+        while self._flights:
+            self._land(params, self._flights.pop(0))
         late = [i for i in range(len(self.anchor)) if self.synced_at.get(i, 0) != self.steps]
         if late and self.steps:
             self.sync(params, late)
 
-    def _average(self, indices: list[int], deltas: list[Tensor]) -> list[Tensor]:
-        share = ring_share(self.replicas)
+    def _average(self, indices: list[int], deltas: list[Tensor]) -> Callable[[], list[Tensor]]:
+        """Starts the collective; the returned function waits for it and gives the replicas' average change."""
         if self.codec is None:
-            flat = flat_of(deltas).to(self.device)
-            dist.all_reduce(flat, group=self.group)
-            self.count(share * flat.numel() * 4)
             out = [torch.empty_like(d) for d in deltas]
-            unflatten_into(flat.div_(self.replicas), out)
-            return out
+            wait = self._start_mean(flat_of(deltas).to(self.device))
+
+            def average() -> list[Tensor]:
+                unflatten_into(wait(), out)
+                return out
+
+            return _once(average)
+        seed = self._seed
         payloads, own = [], []  # own: this replica's payloads decoded (for its residual, and its term of the sum)
         for i, d in zip(indices, deltas):
             x = d + self.residual[i] if i in self.residual else d
-            payload = self.codec.encode(x, seed=self._seed(self.replica))
-            own.append(self.codec.decode(payload, x.shape, x.dtype, seed=self._seed(self.replica)))
+            payload = self.codec.encode(x, seed=seed(self.replica))
+            own.append(self.codec.decode(payload, x.shape, x.dtype, seed=seed(self.replica)))
             self.residual[i] = x - own[-1]
             payloads.append(payload)
         mine = torch.cat(payloads)
         gathered = [torch.empty_like(mine) for _ in range(self.replicas)]
-        dist.all_gather(gathered, mine, group=self.group)
+        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
         self.count((self.replicas - 1) * mine.numel())
-        sums = [torch.zeros_like(d) for d in deltas]
-        for r, blob in enumerate(gathered):  # in replica order: the same sum on every replica
-            offset = 0
-            for k, (s, p) in enumerate(zip(sums, payloads)):
-                s += own[k] if r == self.replica else self.codec.decode(blob[offset:offset + p.numel()], s.shape,
-                                                                        s.dtype, seed=self._seed(r))
-                offset += p.numel()
-        return [s / self.replicas for s in sums]
+        seeds = [seed(r) for r in range(self.replicas)]  # as at the start, whatever lands meanwhile
+
+        def average() -> list[Tensor]:
+            work.wait()
+            sums = [torch.zeros_like(d) for d in deltas]
+            for r, blob in enumerate(gathered):  # in replica order: the same sum on every replica
+                offset = 0
+                for k, (s, p) in enumerate(zip(sums, payloads)):
+                    s += own[k] if r == self.replica else self.codec.decode(blob[offset:offset + p.numel()],
+                                                                            s.shape, s.dtype, seed=seeds[r])
+                    offset += p.numel()
+            return [s / self.replicas for s in sums]
+
+        return _once(average)
+
+    def _start_mean(self, flat: Tensor) -> Callable[[], Tensor]:
+        """Starts one fp32 all-reduce of ``flat`` over the stage's replicas (counted); the returned function waits
+        for it and gives the average."""
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.count(ring_share(self.replicas) * flat.numel() * 4)
+
+        def average() -> Tensor:
+            work.wait()
+            return flat.div_(self.replicas)
+
+        return _once(average)
 
     def _seed(self, replica: int) -> int:
         return (self.outer_steps + 1) * 1_000_003 + replica
@@ -146,6 +216,10 @@ class LocalUpdates(ReplicaSync):
         out.update({f"residual.{i}": t.cpu() for i, t in self.residual.items()})
         out["counters"] = torch.tensor([self.steps, self.outer_steps])
         out["synced_at"] = torch.tensor([self.synced_at.get(i, 0) for i in range(len(self.anchor))])
+        for k, flight in enumerate(self._flights):  # started, not landed: their averages are waited for here
+            out[f"flight.{k}.at"] = torch.tensor([flight.step] + flight.indices)
+            for j, (avg, start) in enumerate(zip(flight.average(), flight.start or [])):
+                out[f"flight.{k}.average.{j}"], out[f"flight.{k}.start.{j}"] = avg.cpu(), start.cpu()
         if self.replica != 0 and self._params:
             for i, p in enumerate(self._params):
                 out[f"local.{i}"] = p.detach().cpu()
@@ -161,13 +235,19 @@ class LocalUpdates(ReplicaSync):
 
         anchors = part("anchor")
         self.anchor = [anchors[i].to(self.device) for i in range(len(anchors))]
-        self.outer = self._outer_optimizer()
+        self.outer = self._outer_optimizer() if self.anchor else None  # none yet: saved before the first step
         for i, buf in part("momentum").items():
             self.outer.state[self.anchor[i]]["momentum_buffer"] = buf.to(self.device)
         self.residual = {i: t.to(self.device) for i, t in part("residual").items()}
         self.steps, self.outer_steps = (int(v) for v in state["counters"].tolist())
         self.synced_at = {i: int(k) for i, k in enumerate(state["synced_at"].tolist())}
         self._resumed = {k: v for k, v in state.items() if k.startswith(("local.", "inner."))}
+        self._flights = []
+        for k in range(sum(1 for key in state if key.startswith("flight.") and key.endswith(".at"))):
+            step, *indices = (int(v) for v in state[f"flight.{k}.at"].tolist())
+            average = [state[f"flight.{k}.average.{j}"].to(self.device) for j in range(len(indices))]
+            start = [state[f"flight.{k}.start.{j}"].to(self.device) for j in range(len(indices))]
+            self._flights.append(_Flight(step, indices, start, lambda average=average: average))
 
     def on_train_start(self, params: list[torch.nn.Parameter], optimizers: list[Any]) -> None:
         """A resumed replica other than 0 takes back its own parameters and inner optimizer state."""
@@ -185,4 +265,29 @@ class LocalUpdates(ReplicaSync):
 
     def state_bytes(self) -> int:
         momentum = sum(t.numel() * 4 for t in self.anchor) if self.mode.momentum > 0 else 0
-        return sum(t.numel() * 4 for t in self.anchor) + momentum + sum(t.numel() * 4 for t in self.residual.values())
+        flights = sum(2 * t.numel() * 4 for f in self._flights for t in f.start or [])
+        return (sum(t.numel() * 4 for t in self.anchor) + momentum + sum(t.numel() * 4 for t in self.residual.values())
+                + flights)
+
+
+@dataclass
+class _Flight:
+    """A sync between its start and its outer step: the optimizer step it started after, its tensors, the parameters
+    then (with overlap), and the function that waits for the average."""
+
+    step: int
+    indices: list[int]
+    start: list[Tensor] | None
+    average: Callable[[], list[Tensor]]
+
+
+def _once(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn``, run at the first call only (a checkpoint may wait for a sync before its outer step does)."""
+    done: list[Any] = []
+
+    def call() -> Any:
+        if not done:
+            done.append(fn())
+        return done[0]
+
+    return call

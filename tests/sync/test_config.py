@@ -33,3 +33,19 @@ def test_a_sync_mode_with_a_ddp_communication_hook_is_refused():
 
     with pytest.raises(ValueError, match="takes no ddp_comm_hook"):
         ClappingStrategy(replica_sync="diloco", ddp_comm_hook=bf16_compress_hook)
+
+
+@pytest.mark.parametrize("value, words", [
+    ("lag", "replica_sync='lag' cannot run with fault_tolerance: every replica reuses a stale sum"),
+    (DiLoCo(codec="q4"), "torchft's quorum gives an all-reduce only"),
+])
+def test_fault_tolerance_refuses_the_modes_it_cannot_keep_whole(value, words):
+    pytest.importorskip("torchft")
+    with pytest.raises(ValueError, match=words):
+        ClappingStrategy(replica_sync=value, fault_tolerance="torchft")
+
+
+def test_fault_tolerance_takes_diloco_without_a_codec():
+    pytest.importorskip("torchft")
+    strategy = ClappingStrategy(replica_sync=DiLoCo(inner_steps=4), fault_tolerance="torchft")
+    assert strategy.options.replica_sync == DiLoCo(inner_steps=4)
