@@ -59,8 +59,10 @@ class DiLoCo:
     fragments synced at staggered steps (fragment ``f`` at steps ``f * inner_steps / fragments`` past each multiple
     of ``inner_steps``): the same bytes, spread over the interval. ``codec`` (e.g. ``"topk:0.02+q4"``) compresses each
     replica's pseudo-gradient under error feedback; compressed payloads are all-gathered and every replica decodes
-    and averages them in replica order, so they stay identical. With ``inner_steps=1``, ``outer_lr=1`` and
-    ``momentum=0`` under SGD it is every-step averaging.
+    and averages them in replica order, so they stay identical. ``overlap`` > 0 (streaming) lets each sync's
+    collective run while the replica takes that many more inner steps, which are kept on top of the new anchor when
+    the outer step lands (``overlap < inner_steps``; 0: the step waits for the sync). With ``inner_steps=1``,
+    ``outer_lr=1`` and ``momentum=0`` under SGD it is every-step averaging.
     """
 
     inner_steps: int = 32
@@ -69,6 +71,7 @@ class DiLoCo:
     nesterov: bool = True
     fragments: int = 1
     codec: Any = None
+    overlap: int = 0
 
     name = "diloco"
 
@@ -107,6 +110,8 @@ def _check(mode: Any) -> None:
     if isinstance(mode, DiLoCo):
         if mode.inner_steps < 1 or mode.fragments < 1 or mode.fragments > mode.inner_steps:
             raise ValueError(f"DiLoCo needs inner_steps >= 1 and 1 <= fragments <= inner_steps, got {mode}")
+        if not isinstance(mode.overlap, int) or not 0 <= mode.overlap < mode.inner_steps:
+            raise ValueError(f"DiLoCo needs 0 <= overlap < inner_steps (the inner steps a sync runs beside), got {mode}")
         if mode.outer_lr <= 0 or not 0 <= mode.momentum < 1:
             raise ValueError(f"DiLoCo needs outer_lr > 0 and 0 <= momentum < 1, got {mode}")
     codec = getattr(mode, "codec", None)

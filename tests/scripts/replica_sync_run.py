@@ -39,6 +39,12 @@ CONFIGS = {  # name: (replica_sync, max_steps, optimizer)
     "lag_rest": (LAG(), 6, "sgd"),
     "diloco3_q8_first": (DiLoCo(inner_steps=3, codec="q8"), 4, "sgd"),  # sharded, with residuals
     "diloco3_q8_rest": (DiLoCo(inner_steps=3, codec="q8"), 6, "sgd"),
+    # streaming overlap: the sync after step 4 lands after step 6, with steps 5 and 6 kept on top of the new anchor;
+    # _first saves at step 4 with that sync in flight, _rest resumes it
+    "diloco4": (DiLoCo(inner_steps=4), 6, "adam"),
+    "diloco4_ov2": (DiLoCo(inner_steps=4, overlap=2), 6, "adam"),
+    "diloco4_ov2_first": (DiLoCo(inner_steps=4, overlap=2), 4, "adam"),
+    "diloco4_ov2_rest": (DiLoCo(inner_steps=4, overlap=2), 6, "adam"),
     "every_rest": ("every-step", 6, "adam"),  # from diloco3_first's checkpoint: its sync state is not used
     "apart": ("every-step", 2, "sgd"),  # each process seeds its model differently: refused at the first step
 }

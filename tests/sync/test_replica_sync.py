@@ -21,7 +21,8 @@ if _TESTS not in sys.path:
 from conftest import launch_forked  # noqa: E402
 
 CONFIGS = ("every,lag0,lag_avg0,lag,diloco1,diloco3,diloco4_end,diloco3_q8,diloco2_frag,diloco3_first,diloco3_rest,"
-           "lag_first,lag_rest,diloco3_q8_first,diloco3_q8_rest,every_rest")
+           "lag_first,lag_rest,diloco3_q8_first,diloco3_q8_rest,every_rest,diloco4,diloco4_ov2,diloco4_ov2_first,"
+           "diloco4_ov2_rest")
 STAGE_PARAMS = {0: 1600, 1: 1188}  # SequentialMLP cut at net.4: parameters per stage (2 + 2 tensors on stage 0,
 TENSORS = {0: 4, 1: 4}             # 4 on stage 1: net.4 and net.6)
 
@@ -62,7 +63,8 @@ def test_lag_with_a_zero_threshold_and_diloco_with_one_inner_step_equal_every_st
     assert _max_diff(runs.weights(name), runs.weights("every")) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["every", "lag", "diloco3", "diloco3_q8", "diloco4_end", "diloco2_frag"])
+@pytest.mark.parametrize("name", ["every", "lag", "diloco3", "diloco3_q8", "diloco4_end", "diloco2_frag",
+                                  "diloco4_ov2"])
 def test_every_mode_ends_with_identical_replicas(runs, name):
     # LAG: the stale average is the same on every replica; DiLoCo: the last step is a sync step (diloco3: step 6),
     # or the fit ends with one (diloco4_end: synced after step 4, then the end of fit after step 6)
@@ -111,6 +113,15 @@ def test_fragments_sync_their_tensors_at_staggered_steps(runs):
     assert runs.rank("diloco2_frag", 0)["totals"]["replica_bytes"] == 4 * weights * 4 + 3 * biases * 4
 
 
+def test_an_overlapped_sync_sends_the_same_bytes_and_keeps_the_steps_taken_beside_it(runs):
+    # the sync started after step 4 lands after step 6 (steps 5 and 6 kept on top of the new anchor), then the end
+    # of the fit syncs once more: the bytes of diloco4, a different model
+    per_sync = sum(STAGE_PARAMS[s] * 4 for s in (0, 1))
+    assert runs.rank("diloco4_ov2", 0)["totals"]["replica_bytes"] == 2 * per_sync
+    assert runs.rank("diloco4", 0)["totals"]["replica_bytes"] == 2 * per_sync
+    assert _max_diff(runs.weights("diloco4_ov2"), runs.weights("diloco4")) > 1e-4
+
+
 def test_lag_counts_its_flags_and_only_the_gradients_it_sends(runs):
     lag0 = runs.rank("lag0", 0)["totals"]["replica_bytes"]
     flags = 6 * sum(TENSORS.values())  # one uint8 per tensor and step
@@ -120,10 +131,11 @@ def test_lag_counts_its_flags_and_only_the_gradients_it_sends(runs):
 
 
 @pytest.mark.parametrize("name, straight", [("diloco3_rest", "diloco3"), ("lag_rest", "lag"),
-                                            ("diloco3_q8_rest", "diloco3_q8")])
+                                            ("diloco3_q8_rest", "diloco3_q8"), ("diloco4_ov2_rest", "diloco4_ov2")])
 def test_a_run_resumed_between_syncs_equals_the_uninterrupted_one_on_every_rank(runs, name, straight):
     # saved after step 4 (DiLoCo: one step past its sync at 3, the replicas apart; diloco3_q8: a sharded checkpoint
-    # with error-feedback residuals), resumed to step 6: every rank's stage as in the run that never stopped
+    # with error-feedback residuals; diloco4_ov2: the sync started after step 4 still in flight), resumed to step 6:
+    # every rank's stage as in the run that never stopped
     for rank in range(4):
         resumed, whole = runs.rank(name, rank)["own"], runs.rank(straight, rank)["own"]
         if name.startswith("diloco3_q8") and rank == 0:  # sharded: rank 0 keeps its own stage only
