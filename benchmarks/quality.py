@@ -5,8 +5,11 @@
     python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
     python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
     options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare wordnet_minilm, --seeds N,
-             --steps-scale F, --configs LABEL..., --resume (skip runs already in DIR/quality_runs.jsonl),
-             --report-only (rebuild the report from it)
+             --steps-scale F, --val-every N (held-out points every N steps), --configs LABEL..., --resume (skip runs
+             already in DIR/quality_runs.jsonl), --report-only (rebuild the report from it)
+    python benchmarks/quality.py --standard --tasks shakespeare --steps-scale 4 --val-every 60 \
+        --configs uncompressed "direct bn8 q8" "direct bn8 residual q8" --out benchmarks/results/frontier_long
+                                             # the longer-run study of the bottleneck (480 steps, 3 seeds)
 
 Tasks (see ``_quality_tasks.py``): Fashion-MNIST with an MLP 784-512-256-128-10 (held-out metric: accuracy on the
 official test split), a character-level transformer LM on Shakespeare (d=128, 4 blocks, context 128; held-out
@@ -33,8 +36,11 @@ changed halfway (``LazySamplingDataModule(p={0: p, step: p2})``): Clapping-FU wi
 and from 0.25 to 0.5, Clapping-FC q4/q8 from p = 0.5 to 1; for the fine-tuning task only (``ONLY_FOR``), a bottleneck
 of width / 4, / 3 or / 2 started from the principal directions of what reaches each cut (``bn4 pca`` ...:
 ``lightning_clapping.fit_bottlenecks`` on the first 8 training batches; ``pca-tokens``: on their real tokens only),
-alone and with codecs. The report draws the bytes-quality frontier of every configuration and judges the 20x goal
-(within 1 point / 2 %) for each.
+alone and with codecs. Only where ``--configs`` names them (``OPT_IN_CONFIGS``): the residual bottleneck
+(``Bottleneck(..., residual=True)``: a learned encoder and decoder around the same low-rank identity path, the same
+code on the wire) at width / 8 alone, with q8 both ways (``bn8 residual q8``), at / 16 with q8 or q4/q8, and at / 8
+with one bit per value on the code under Clapping-FC. The report draws the bytes-quality frontier of every
+configuration and judges the 20x goal (within 1 point / 2 %) for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
 from the cost of compressing), ``direct``, ``ef21`` (plain data, every batch fresh), ``aqsgd`` (data wrapped in
@@ -118,6 +124,13 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "bn4 pca moderate": ("q4", "q8", None),
     "bn2 pca aggressive": ("q2", "q4", None),
     "bn3 q4": ("q4", "q4", None),
+    # the residual bottleneck (Bottleneck(..., residual=True), RESIDUAL below): a learned encoder and decoder around
+    # the same low-rank identity path, the same code on the wire
+    "bn8 residual": (None, None, None),
+    "bn8 residual q8": ("q8", "q8", None),
+    "bn16 residual q8": ("q8", "q8", None),
+    "bn16 residual moderate": ("q4", "q8", None),
+    "bn8 residual q1": ("q1", "q1", None),
     # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's (see
     # _quality_tasks)
     "q1 then moderate": ("q1", "q1", None),
@@ -125,6 +138,16 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
 }
 # lazy sampling's p scheduled over training (P_SCHEDULED in _quality_tasks): the codecs of the setting each one holds
 CODEC_SETTINGS.update({name: CODEC_SETTINGS[held] for name, (held, _, _) in P_SCHEDULED.items()})
+#: codec settings whose Bottleneck at every cut is the residual one: (width divisor, init) as in _quality_tasks'
+#: BOTTLENECK, which holds them too (the report marks them as model changes); see residual_bottlenecks
+RESIDUAL: dict[str, tuple[int, str]] = {
+    "bn8 residual": (8, "projection"),
+    "bn8 residual q8": (8, "projection"),
+    "bn16 residual q8": (16, "projection"),
+    "bn16 residual moderate": (16, "projection"),
+    "bn8 residual q1": (8, "projection"),
+}
+BOTTLENECK.update(RESIDUAL)
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
 
@@ -187,6 +210,18 @@ FINE_TUNING_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn3 pca-tokens q4"),
 ]
 FRONTIER_CONFIGS += FINE_TUNING_CONFIGS
+#: frontier configurations run only where ``--configs`` names them (the longer-run study of the bottleneck's cost,
+#: BENCHMARKS.md): the residual bottleneck at width / 8 and / 16 with codecs on its code, alone, and with one bit per
+#: value on the code under Clapping-FC's error feedback
+OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
+    ("uncompressed", 1.0, "bn8 residual"),
+    ("direct", 1.0, "bn8 residual q8"),
+    ("direct", 1.0, "bn16 residual q8"),
+    ("direct", 1.0, "bn16 residual moderate"),
+    ("clapping-fc", 0.5, "bn8 residual q1"),
+]
+FRONTIER_CONFIGS += OPT_IN_CONFIGS
+OPT_IN = {config_label(*config) for config in OPT_IN_CONFIGS}
 #: configuration label -> the only task that runs it
 ONLY_FOR: dict[str, str] = {config_label(*config): "wordnet_minilm" for config in FINE_TUNING_CONFIGS}
 
@@ -307,10 +342,15 @@ def build_plan(args: argparse.Namespace) -> list[RunConfig]:
             if args.steps_scale != 1.0:
                 t["val_every"] = max(1, round(t["val_every"] * args.steps_scale))
                 t["steps"] = max(t["val_every"], round(t["steps"] * args.steps_scale / t["val_every"]) * t["val_every"])
+            if args.val_every is not None:  # held-out points every N steps; the last step still validated
+                t["val_every"] = args.val_every
+                t["steps"] = max(args.val_every, round(t["steps"] / args.val_every) * args.val_every)
             task_wanted = TASK_CONFIGS.get(task) if wanted is None else wanted
             for variant, p, setting, lazy in all_configs():
                 label = config_label(variant, p, setting)
                 if task_wanted is not None and label not in task_wanted or ONLY_FOR.get(label, task) != task:
+                    continue
+                if wanted is None and label in OPT_IN:
                     continue
                 plan.append(RunConfig(task=task, variant=variant, p=p, setting=setting, seed=seed, lazy=lazy,
                                       mode=args.mode, **t))
@@ -396,6 +436,21 @@ def scheduler(cfg: RunConfig) -> list[lightning_clapping.CodecScheduler]:
     return [lightning_clapping.CodecScheduler({round(fraction * cfg.steps): pair})]
 
 
+def residual_bottlenecks(model: torch.nn.Module) -> None:
+    """Every ``Bottleneck`` of ``model`` replaced by ``Bottleneck(..., residual=True)`` of the same width, rank and
+    init, holding the same identity path: the same start as the plain bottleneck of the run's seed, whose encoder and
+    decoder branches (started at zero output) can then learn a nonlinear code."""
+    from lightning_clapping import Bottleneck
+
+    for name, old in [(n, m) for n, m in model.named_modules() if isinstance(m, Bottleneck) and not m.residual]:
+        new = Bottleneck(old.features, old.rank, old.init, residual=True)
+        with torch.no_grad():
+            new.down.weight.copy_(old.down.weight)
+            new.up.weight.copy_(old.up.weight)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
 def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     """One ``Trainer.fit`` on every rank; returns the record on rank 0, None elsewhere."""
     task = TASKS[cfg.task]
@@ -405,6 +460,8 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     model, split_points = task.make_model(dm), task.split_points
     if cfg.setting in BOTTLENECK:
         model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
+        if cfg.setting in RESIDUAL:
+            residual_bottlenecks(model)
         if BOTTLENECK[cfg.setting][1] in FITTED:
             fit_to_data(task, model, dm, BOTTLENECK[cfg.setting][1])
     p: float | dict[int, float] = cfg.p
@@ -485,6 +542,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", nargs="+", default=None,
                     help="run only these configurations, by label (e.g. uncompressed 'clapping-fu p=0.5 moderate')")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="scale every task's step count")
+    ap.add_argument("--val-every", type=int, default=None,
+                    help="validate every N steps in every task (after --steps-scale; the step count is rounded to "
+                         "a multiple of N)")
     ap.add_argument("--resume", action="store_true", help="skip runs already in OUT/quality_runs.jsonl")
     ap.add_argument("--report-only", action="store_true", help="only rebuild the report from OUT/quality_runs.jsonl")
     ap.add_argument("--timeout-min", type=float, default=5.0, help="a stage waiting longer for a peer fails")

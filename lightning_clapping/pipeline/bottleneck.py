@@ -36,6 +36,18 @@ second-moment matrix, so ``up(down(x))`` is the orthogonal projection that keeps
 in the order the forward reaches them, each with the ones before it in place. It runs the model forward in one
 process, without gradients, on the batches given; run it before ``Trainer.fit``, like any other change to the
 initial weights.
+
+``Bottleneck(features, rank, residual=True)`` builds each half as a residual encoder / decoder around the same
+low-rank identity path (in the manner of residual bottleneck models): ``down(x) = V x + E(x)`` and
+``up(c) = U c + D(c)``, where ``V`` and ``U`` are the plain bottleneck's two matrices (``down.weight`` and
+``up.weight``, started as above) and ``E``, ``D`` are small learned branches, ``E(x) = W2 gelu(W1 norm(x) + b1)``
+(``norm``: a layer norm without weights, so the branch sees the direction of the input whatever its scale) and
+``D(c) = W4 gelu(W3 c + b3)``, each ``hidden`` wide (default ``features``). ``W2`` and ``W4`` start at zero, so the
+block starts exactly as the plain bottleneck does (the orthogonal projection, or its rescaled or fitted form) and
+training then grows a nonlinear code and a nonlinear reconstruction on top of the linear path. The encoder lies
+wholly in ``down`` and the decoder wholly in ``up``, so a cut between the halves still sends the ``rank`` values of
+the code per position and nothing else; the branches cost about ``2 * hidden * (features + rank)`` parameters per
+bottleneck and no bytes. ``fit_bottlenecks`` writes the identity path and starts both branches at zero output again.
 """
 
 from __future__ import annotations
@@ -52,10 +64,43 @@ INITS = ("projection", "rescaled")
 __all__ = ["Bottleneck", "BottleneckAfter", "fit_bottlenecks"]
 
 
-class Bottleneck(nn.Module):
-    """``up(down(x))`` with ``down: features -> rank`` and ``up: rank -> features``, both linear without bias."""
+class LowRankHalf(nn.Module):
+    """One half of a residual :class:`Bottleneck`: ``weight`` (the identity path, ``[out_features, in_features]``
+    like an ``nn.Linear``'s) plus a branch ``in -> hidden -> out`` whose last layer starts at zero.
+    ``normalize``: the branch sees its input through a layer norm without weights (the encoder's case)."""
 
-    def __init__(self, features: int, rank: int, init: str = "projection") -> None:
+    def __init__(self, in_features: int, out_features: int, hidden: int, normalize: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        layers: list[nn.Module] = [nn.LayerNorm(in_features, elementwise_affine=False)] if normalize else []
+        layers += [nn.Linear(in_features, hidden), nn.GELU(), nn.Linear(hidden, out_features)]
+        self.branch = nn.Sequential(*layers)
+        self.reset_branch()
+
+    def reset_branch(self, fresh: bool = False) -> None:
+        """The branch's output layer at zero, so that the half is its identity path alone; with ``fresh``, its input
+        layer drawn again as ``nn.Linear`` draws it (otherwise kept: a fitted start then needs no random draw)."""
+        if fresh:
+            self.branch[-3].reset_parameters()
+        last = self.branch[-1]
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(x, self.weight) + self.branch(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Bottleneck(nn.Module):
+    """``up(down(x))`` with ``down: features -> rank`` and ``up: rank -> features``: both linear without bias, or
+    with ``residual=True`` each its linear map plus a learned branch ``hidden`` wide that starts at zero output."""
+
+    def __init__(self, features: int, rank: int, init: str = "projection", residual: bool = False,
+                 hidden: int | None = None) -> None:
         super().__init__()
         for name, value in (("features", features), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,9 +112,21 @@ class Bottleneck(nn.Module):
             )
         if init not in INITS:
             raise ValueError(f"Bottleneck: init must be one of {', '.join(map(repr, INITS))}, got {init!r}")
-        self.features, self.rank, self.init = features, rank, init
-        self.down = nn.Linear(features, rank, bias=False)
-        self.up = nn.Linear(rank, features, bias=False)
+        if not isinstance(residual, bool):
+            raise ValueError(f"Bottleneck: residual must be True or False, got {residual!r}")
+        if hidden is not None and (not residual or isinstance(hidden, bool) or not isinstance(hidden, int)
+                                   or hidden < 1):
+            raise ValueError(f"Bottleneck: hidden (the width of the residual branches) must be a positive integer, "
+                             f"and only with residual=True; got hidden={hidden!r}, residual={residual!r}")
+        self.features, self.rank, self.init, self.residual = features, rank, init, residual
+        self.hidden = (features if hidden is None else hidden) if residual else None
+        if residual:
+            assert self.hidden is not None
+            self.down: nn.Module = LowRankHalf(features, rank, self.hidden, normalize=True)
+            self.up: nn.Module = LowRankHalf(rank, features, self.hidden, normalize=False)
+        else:
+            self.down = nn.Linear(features, rank, bias=False)
+            self.up = nn.Linear(rank, features, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -80,6 +137,9 @@ class Bottleneck(nn.Module):
                 gain = (self.features / self.rank) ** 0.25
                 self.down.weight.mul_(gain)
                 self.up.weight.mul_(gain)
+        if self.residual:
+            self.down.reset_branch(fresh=True)
+            self.up.reset_branch(fresh=True)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.features:
@@ -90,16 +150,18 @@ class Bottleneck(nn.Module):
         return self.up(self.down(x))
 
     def extra_repr(self) -> str:
-        return f"features={self.features}, rank={self.rank}, init={self.init!r}"
+        extra = f", residual=True, hidden={self.hidden}" if self.residual else ""
+        return f"features={self.features}, rank={self.rank}, init={self.init!r}{extra}"
 
 
 class BottleneckAfter(nn.Module):
     """``block`` followed by a :class:`Bottleneck` on what it returns (on the first element when it returns a tuple,
     as older Hugging Face blocks do), called with whatever arguments the model passes to the block."""
 
-    def __init__(self, block: nn.Module, features: int, rank: int, init: str = "projection") -> None:
+    def __init__(self, block: nn.Module, features: int, rank: int, init: str = "projection", residual: bool = False,
+                 hidden: int | None = None) -> None:
         super().__init__()
-        self.block, self.bottleneck = block, Bottleneck(features, rank, init)
+        self.block, self.bottleneck = block, Bottleneck(features, rank, init, residual, hidden)
 
     def __getattr__(self, name: str):
         # what the model reads from its block (e.g. a layer's attention type) is read from the wrapped block
@@ -213,11 +275,14 @@ def principal_directions(gram: Tensor, rank: int) -> tuple[Tensor, float]:
 
 
 def set_directions(bottleneck: Bottleneck, top: Tensor) -> None:
-    """``down`` = ``top``'s transpose, ``up`` = ``top``; a half on the meta device (another stage's) is left alone."""
+    """``down`` = ``top``'s transpose, ``up`` = ``top`` (a residual bottleneck's identity path, its branches started
+    at zero output again); a half on the meta device (another stage's) is left alone."""
     with torch.no_grad():
-        for weight, value in ((bottleneck.down.weight, top.t()), (bottleneck.up.weight, top)):
-            if not weight.is_meta:
-                weight.copy_(value)
+        for half, value in ((bottleneck.down, top.t()), (bottleneck.up, top)):
+            if not half.weight.is_meta:
+                half.weight.copy_(value)
+                if isinstance(half, LowRankHalf):
+                    half.reset_branch()
 
 
 def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],
