@@ -11,10 +11,17 @@ torchrun restarts group 1, which rejoins. Every rank logs each step (``--worker`
 * ``steps_lost``: optimizer steps computed (backward done) and then discarded, not committed: on the survivors, and
   on the failed group's dead incarnation (its steps since it last held the shared state);
 * ``seconds_paused``: the longest wall-clock gap between two consecutive optimizer steps on a surviving rank, minus
-  the median step time (the same definitions as the whole-job restart benchmark);
+  the median step time (the same definitions as the whole-job restart benchmark), wherever it happened (on a busy
+  machine that can be a stall of the scheduler); ``seconds_paused_at_kill``: the same over the steps from the one in
+  flight at the SIGKILL to the first that the survivors commit without group 1; ``seconds_paused_at_rejoin``: the
+  gap that ends at the first step they take with group 1 again (its heal);
 * ``restart_to_first_commit_s``: from the restarted group's process start to its first committed step, and
   ``kill_to_first_commit_s`` from the SIGKILL (torchrun's detection and restart, interpreter start-up and imports);
-* ``bit_equal``: whether both groups end with bitwise equal weights.
+* ``bit_equal``: whether both groups end with bitwise equal weights;
+* ``group1_starts``: how many times torchrun started group 1 (its incarnations, each writing a ``start`` record with
+  torchrun's ``TORCHELASTIC_RESTART_COUNT`` before anything else), 2 when the restart after the kill worked at once;
+  ``group1_exits``: for every incarnation that ended before the run did, torchrun's exit line and the errors its
+  ranks raised (from ``group1.log``).
 
 A group that trains without peers sleeps ``ALONE_SLEEP_S`` per step, so that the survivors are still training when
 the restarted group is back however long its interpreters take to start on this machine (up to that much of a
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,6 +60,11 @@ MAX_RESTARTS = 3  # torchrun's --max-restarts for each group
 
 # ---------------------------------------------------------------------------------------------- one replica group
 def worker(out: Path, steps: int) -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    path = out / f"group{os.environ['REPLICA_GROUP_ID']}_rank{int(os.environ['RANK'])}_{os.getpid()}.jsonl"
+    with open(path, "a") as f:  # first, so that an incarnation that fails before its first step is counted too
+        f.write(json.dumps({"t": time.time(), "started": STARTED, "kind": "start", "restart": restart}) + "\n")
+
     from datetime import timedelta
 
     import lightning as L
@@ -82,11 +95,11 @@ def worker(out: Path, steps: int) -> None:
 
     class Log(L.Callback):
         def __init__(self) -> None:
-            self.path = out / f"group{group}_rank{int(os.environ['RANK'])}_{os.getpid()}.jsonl"
+            self.path = path
 
         def write(self, **record) -> None:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"t": time.time(), "started": STARTED, **record}) + "\n")
+                f.write(json.dumps({"t": time.time(), "started": STARTED, "restart": restart, **record}) + "\n")
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             self.write(kind="computed", step=trainer.global_step + 1)
@@ -168,16 +181,30 @@ def trial(out: Path, steps: int, victim_rank: int) -> dict:
     return measure(out, killed, [p.returncode for p in groups], victim_rank)
 
 
+def _exits(log: str) -> list[dict]:
+    """Each ended incarnation in torchrun's output (``group1.log``): torchrun's line about the failed rank and the
+    errors the incarnation's ranks raised (the last line of each traceback), in order."""
+    exits, errors = [], []
+    for line in log.splitlines():
+        if re.match(r"\[rank\d+\]: [\w.]*(Error|Exception|Exit)\b", line):
+            errors.append(line[:240])
+        elif "failed (exitcode:" in line:
+            exits.append({"torchrun": line[line.index("failed (exitcode:"):][:160], "errors": errors})
+            errors = []
+    return exits
+
+
 def measure(out: Path, killed: dict | None, codes: list[int], victim_rank: int) -> dict:
     import torch
 
     survivors, lost = _records(out, 0), _records(out, 1)
+    log = (out / "group1.log").read_text(errors="replace")
     result: dict = {"victim": f"group 1 rank {victim_rank} (stage {1 - victim_rank})", "exit_codes": codes,
-                    "group1_starts": len({r[0]["started"] for r in _records(out, 1).values()}),
-                    "group1_mesh_failures": (out / "group1.log").read_text(errors="replace").count(
-                        "RuntimeError: Gloo connectFullMesh failed"),
+                    "group1_starts": len({r["restart"] for recs in lost.values() for r in recs if "restart" in r}),
+                    "group1_exits": _exits(log),
+                    "group1_mesh_failures": log.count("RuntimeError: Gloo connectFullMesh failed"),
                     "killed": killed is not None, "survivor_processes": len(survivors)}
-    paused, survivor_lost = [], 0
+    paused, at_kill, at_rejoin, survivor_lost = [], [], [], 0
     for recs in survivors.values():
         steps = [r for r in recs if r["kind"] == "step"]
         gaps = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])]
@@ -186,11 +213,24 @@ def measure(out: Path, killed: dict | None, codes: list[int], victim_rank: int) 
         paused.append(max(gaps) - median)
         survivor_lost = max(survivor_lost, sum(not r["committed"] for r in steps))
         result["median_step_s"] = round(median, 4)
+        if killed is not None:  # the gaps from the step in flight at the kill to the first one committed alone
+            pairs = [(a, b) for a, b in zip(steps, steps[1:]) if b["t"] > killed["t"]]
+            alone = next((i for i, (a, b) in enumerate(pairs) if b["committed"] and b["participants"] == 1), None)
+            if alone is not None:
+                at_kill.append(max(b["t"] - a["t"] for a, b in pairs[:alone + 1]) - median)
+            back = next(((a, b) for a, b in pairs if a["participants"] == 1 and b["participants"] == 2), None)
+            if back is not None:
+                at_rejoin.append(back[1]["t"] - back[0]["t"] - median)
     result["seconds_paused"] = round(max(paused), 3)
+    if at_kill:
+        result["seconds_paused_at_kill"] = round(max(at_kill), 3)
+    if at_rejoin:
+        result["seconds_paused_at_rejoin"] = round(max(at_rejoin), 3)
     result["steps_lost_survivors"] = survivor_lost
     if killed is not None:
         dead = [r for pid, r in lost.items() if r[0]["started"] < killed["t"]]
-        again = [r for pid, r in lost.items() if r[0]["started"] >= killed["t"]]
+        last = max((r[0].get("restart", 0) for r in lost.values()), default=0)
+        again = [r for pid, r in lost.items() if r[0]["started"] >= killed["t"] and r[0].get("restart", 0) == last]
         dead_lost = 0
         for recs in dead:
             committed = {r["step"] for r in recs if r["kind"] == "step" and r["committed"]}
@@ -244,6 +284,8 @@ def main() -> None:
         "steps_lost_survivors_max": max(r["steps_lost_survivors"] for r in results),
         "steps_lost_failed_group_max": max(r.get("steps_lost_failed_group", 0) for r in results),
         "seconds_paused_max": max(r["seconds_paused"] for r in results),
+        "seconds_paused_at_kill_max": max(r.get("seconds_paused_at_kill", float("nan")) for r in results),
+        "seconds_paused_at_rejoin_max": max(r.get("seconds_paused_at_rejoin", float("nan")) for r in results),
         "restart_to_first_commit_s_max": max(r.get("restart_to_first_commit_s", float("nan")) for r in results),
         "kill_to_first_commit_s_max": max(r.get("kill_to_first_commit_s", float("nan")) for r in results),
     }

@@ -7,13 +7,18 @@ address) and torchft's ``ManagerServer``, which talks to the lighthouse; every r
 reconfigurable process group joins the ranks of the same group rank, that is the same stage, of every group in the
 quorum. The quorum is synchronous (``use_async_quorum=False``): a group that heals applies the peer's state before
 it computes anything, and then takes part in the same step like the others.
+
+From the moment a rank connects, SIGTERM ends its process at once (see :meth:`ReplicaGroup._end_on_sigterm`): a
+group whose process died is closed by torchrun with SIGTERM, and none of its processes may stay in the quorum.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +80,25 @@ class ReplicaGroup:
             load_state_dict(state)
 
         self.manager.register_state_dict_fn(STATE_KEY, load, state_dict)
+        self._end_on_sigterm()
+
+    def _end_on_sigterm(self) -> None:
+        """From now on SIGTERM ends this process at once, as it ends a Python program that handles no signal.
+
+        When one process of a group dies, torchrun sends SIGTERM to the group's others and restarts the group once
+        they have ended (a scheduler stops a job the same way). Lightning's handler only sets a flag, and Python runs
+        handlers between two bytecodes of the main thread, which may be waiting inside torchft for the dead rank (its
+        commit vote, up to ``FaultTolerance.timeout``; its quorum, up to ``quorum_timeout``). The rank that hosts the
+        group's manager then went on heartbeating, and the lighthouse, which forms no quorum without a majority of
+        the groups that heartbeat, held every other group until that wait ended or torchrun's SIGKILL came 30 s
+        later; the other groups' all-reduces with the group's live ranks waited as long. Ended by the kernel, the
+        process stops heartbeating and closes its connections at once. Nothing of the group's state is lost: it
+        takes a live peer's when it rejoins. :meth:`close` leaves it so (a SIGTERM that came during the teardown
+        after an error would be swallowed again, and the process then waited for torchrun's SIGKILL); Lightning's
+        teardown, which comes after, puts back the handlers it found before the fit. A SIGTERM handler of the
+        script's own does not run during a fault-tolerant fit."""
+        if threading.current_thread() is threading.main_thread():  # only there can Python change a handler
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def start_quorum(self) -> None:
         """The quorum of the coming step (once per step; a peer's state is loaded here when this group is behind)."""
