@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_clapping.codecs import get_codec
-from lightning_clapping.comm.replicas import flat_of, ring_share, unflatten_into
+from lightning_clapping.comm.replicas import ring_share
 from lightning_clapping.sync.base import ReplicaSync
 from lightning_clapping.sync.config import DiLoCo
 
@@ -103,9 +103,8 @@ class LocalUpdates(ReplicaSync):
     def sync(self, params: list[torch.nn.Parameter], indices: list[int], overlap: bool = False) -> None:
         """Collective over the stage's replicas: the outer step on the tensors ``indices``, now, or with ``overlap``
         started now and taken ``mode.overlap`` optimizer steps later (:meth:`after_step`)."""
-        deltas = [self.anchor[i] - params[i].detach().float() for i in indices]
         start = [params[i].detach().float().clone() for i in indices] if overlap else None
-        flight = _Flight(self.steps, indices, start, self._average(indices, deltas))
+        flight = _Flight(self.steps, indices, start, self._average(indices, params))
         self.synced_at.update((i, self.steps) for i in indices)
         if overlap:
             self._flights.append(flight)
@@ -150,17 +149,22 @@ class LocalUpdates(ReplicaSync):
         if late and self.steps:
             self.sync(params, late)
 
-    def _average(self, indices: list[int], deltas: list[Tensor]) -> Callable[[], list[Tensor]]:
-        """Starts the collective; the returned function waits for it and gives the replicas' average change."""
-        if self.codec is None:
-            out = [torch.empty_like(d) for d in deltas]
-            wait = self._start_mean(flat_of(deltas).to(self.device))
+    def _average(self, indices: list[int], params: list[torch.nn.Parameter]) -> Callable[[], list[Tensor]]:
+        """Starts the collective on the changes ``anchor - params`` of the tensors ``indices``; the returned function
+        waits for it and gives the replicas' average change."""
+        if self.codec is None:  # the changes written straight into the all-reduce's buffer, the average its views
+            sizes = [self.anchor[i].numel() for i in indices]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
+            for i, part in zip(indices, flat.split(sizes)):
+                torch.sub(self.anchor[i].view(-1), params[i].detach().reshape(-1).float(), out=part)
+            wait = self._start_mean(flat)
 
             def average() -> list[Tensor]:
-                unflatten_into(wait(), out)
-                return out
+                mean = wait()
+                return [part.view_as(self.anchor[i]) for i, part in zip(indices, mean.split(sizes))]
 
             return _once(average)
+        deltas = [self.anchor[i] - params[i].detach().float() for i in indices]
         seed = self._seed
         payloads, own = [], []  # own: this replica's payloads decoded (for its residual, and its term of the sum)
         for i, d in zip(indices, deltas):
