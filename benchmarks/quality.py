@@ -7,9 +7,6 @@
     options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare wordnet_minilm, --seeds N,
              --steps-scale F, --val-every N (held-out points every N steps), --configs LABEL..., --resume (skip runs
              already in DIR/quality_runs.jsonl), --report-only (rebuild the report from it)
-    python benchmarks/quality.py --standard --tasks shakespeare --steps-scale 4 --val-every 60 \
-        --configs uncompressed "direct bn8 q8" "direct bn8 residual q8" --out benchmarks/results/frontier_long
-                                             # the longer-run study of the bottleneck (480 steps, 3 seeds)
 
 Tasks (see ``_quality_tasks.py``): Fashion-MNIST with an MLP 784-512-256-128-10 (held-out metric: accuracy on the
 official test split), a character-level transformer LM on Shakespeare (d=128, 4 blocks, context 128; held-out
@@ -88,6 +85,7 @@ import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
 from _quality_tasks import BOTTLENECK, FITTED, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
+from _residual_settings import OPT_IN_CONFIGS, RESIDUAL, RESIDUAL_CODECS, residual_bottlenecks  # noqa: E402
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -124,13 +122,6 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "bn4 pca moderate": ("q4", "q8", None),
     "bn2 pca aggressive": ("q2", "q4", None),
     "bn3 q4": ("q4", "q4", None),
-    # the residual bottleneck (Bottleneck(..., residual=True), RESIDUAL below): a learned encoder and decoder around
-    # the same low-rank identity path, the same code on the wire
-    "bn8 residual": (None, None, None),
-    "bn8 residual q8": ("q8", "q8", None),
-    "bn16 residual q8": ("q8", "q8", None),
-    "bn16 residual moderate": ("q4", "q8", None),
-    "bn8 residual q1": ("q1", "q1", None),
     # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's (see
     # _quality_tasks)
     "q1 then moderate": ("q1", "q1", None),
@@ -138,15 +129,7 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
 }
 # lazy sampling's p scheduled over training (P_SCHEDULED in _quality_tasks): the codecs of the setting each one holds
 CODEC_SETTINGS.update({name: CODEC_SETTINGS[held] for name, (held, _, _) in P_SCHEDULED.items()})
-#: codec settings whose Bottleneck at every cut is the residual one: (width divisor, init) as in _quality_tasks'
-#: BOTTLENECK, which holds them too (the report marks them as model changes); see residual_bottlenecks
-RESIDUAL: dict[str, tuple[int, str]] = {
-    "bn8 residual": (8, "projection"),
-    "bn8 residual q8": (8, "projection"),
-    "bn16 residual q8": (16, "projection"),
-    "bn16 residual moderate": (16, "projection"),
-    "bn8 residual q1": (8, "projection"),
-}
+CODEC_SETTINGS.update(RESIDUAL_CODECS)  # the residual bottleneck's settings (_residual_settings.py)
 BOTTLENECK.update(RESIDUAL)
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
@@ -210,17 +193,7 @@ FINE_TUNING_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn3 pca-tokens q4"),
 ]
 FRONTIER_CONFIGS += FINE_TUNING_CONFIGS
-#: frontier configurations run only where ``--configs`` names them (the longer-run study of the bottleneck's cost,
-#: BENCHMARKS.md): the residual bottleneck at width / 8 and / 16 with codecs on its code, alone, and with one bit per
-#: value on the code under Clapping-FC's error feedback
-OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
-    ("uncompressed", 1.0, "bn8 residual"),
-    ("direct", 1.0, "bn8 residual q8"),
-    ("direct", 1.0, "bn16 residual q8"),
-    ("direct", 1.0, "bn16 residual moderate"),
-    ("clapping-fc", 0.5, "bn8 residual q1"),
-]
-FRONTIER_CONFIGS += OPT_IN_CONFIGS
+FRONTIER_CONFIGS += OPT_IN_CONFIGS  # run only where --configs names them (_residual_settings.py)
 OPT_IN = {config_label(*config) for config in OPT_IN_CONFIGS}
 #: configuration label -> the only task that runs it
 ONLY_FOR: dict[str, str] = {config_label(*config): "wordnet_minilm" for config in FINE_TUNING_CONFIGS}
@@ -434,21 +407,6 @@ def scheduler(cfg: RunConfig) -> list[lightning_clapping.CodecScheduler]:
         return []
     fraction, pair = SCHEDULED[cfg.setting]
     return [lightning_clapping.CodecScheduler({round(fraction * cfg.steps): pair})]
-
-
-def residual_bottlenecks(model: torch.nn.Module) -> None:
-    """Every ``Bottleneck`` of ``model`` replaced by ``Bottleneck(..., residual=True)`` of the same width, rank and
-    init, holding the same identity path: the same start as the plain bottleneck of the run's seed, whose encoder and
-    decoder branches (started at zero output) can then learn a nonlinear code."""
-    from lightning_clapping import Bottleneck
-
-    for name, old in [(n, m) for n, m in model.named_modules() if isinstance(m, Bottleneck) and not m.residual]:
-        new = Bottleneck(old.features, old.rank, old.init, residual=True)
-        with torch.no_grad():
-            new.down.weight.copy_(old.down.weight)
-            new.up.weight.copy_(old.up.weight)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
