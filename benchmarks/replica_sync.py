@@ -4,13 +4,19 @@
                                       [--configs LABEL ...] [--out benchmarks/results] [--tiny]
 
 Each task's model (``_quality_tasks.py``: the MLP on Fashion-MNIST, the character transformer on Shakespeare, the
-pretrained MiniLM fine-tuned on WordNet supersenses) is cut into 2 stages and replicated twice (4 processes, gloo on
-CPU, one launch for every run); each replica trains on its own half of the data with the task's batch size, so
-one optimizer step sees twice the batch of one replica. Every configuration of a seed starts from the same weights.
+pretrained MiniLM fine-tuned on WordNet supersenses; ``_tied_task.py``: ``shakespeare_tied``, the character
+transformer with its token embedding and output head tied, one tensor on the first and the last stage) is cut into 2
+stages and replicated twice (4 processes, gloo on CPU, one launch for every run); each replica trains on its own half
+of the data with the task's batch size, so one optimizer step sees twice the batch of one replica. Every
+configuration of a seed starts from the same weights.
 Per run: the held-out metric at the last step (a sync step of every DiLoCo setting: the steps are a multiple of 16),
 and ``trainer.strategy.byte_totals`` after ``fit``: everything a replica's ranks sent (pipeline messages, the
-replica sync), per optimizer step, against uncompressed every-step training (``raw_bytes``). LAG's skip rate is
-``1 - (replica bytes - flags) / gradient bytes``.
+replica sync, the sum of a tied tensor's gradients between its stages), per optimizer step, against uncompressed
+every-step training (``raw_bytes``); the tied sum apart as ``tied_per_step`` (sent) and ``tied_raw_per_step`` (the same
+in fp32, uncompressed). LAG's skip rate is ``1 - (replica bytes - flags) / gradient bytes``.
+
+The configurations ending in ``+ tied <codec>`` set ``tied_codec=``: they are meant for ``shakespeare_tied`` (on a
+model without tied weights they are the configuration without it).
 
 Saves OUT/replica_sync.json (settings, raw runs, means over seeds) and prints the table.
 """
@@ -38,9 +44,11 @@ import lightning as L  # noqa: E402
 import lightning_clapping  # noqa: E402
 from lightning_clapping import LAG, DiLoCo  # noqa: E402
 import _table  # noqa: E402
-from _quality_tasks import TASKS  # noqa: E402
+from _quality_tasks import TASKS as QUALITY_TASKS  # noqa: E402
+from _tied_task import TIED_TASKS  # noqa: E402
 from quality import Recorder, quiet  # noqa: E402
 
+TASKS = {**QUALITY_TASKS, **TIED_TASKS}
 SPARSE = "topk:0.05+q4"  # the 5 % largest of each tensor in 4 bits with their positions: 23.7x on a 32k x 256 tensor
 #: label -> ClappingStrategy arguments
 CONFIGS: dict[str, dict] = {
@@ -62,9 +70,22 @@ CONFIGS: dict[str, dict] = {
     f"clapping-fc q4/q8 + diloco H=8 {SPARSE}": {
         "replica_sync": DiLoCo(inner_steps=8, codec=SPARSE), "variant": "clapping-fc", "forward_codec": "q4",
         "backward_codec": "q8"},
+    # the sum of the tied copies' gradients compressed (shakespeare_tied): alone, under DiLoCo, under DiLoCo and
+    # Clapping-FC (the settings whose bytes benchmarks/bytes_by_kind.py measures on a tied Llama)
+    "every-step + tied q4": {"tied_codec": "q4"},
+    "diloco H=16 q4 + tied q4": {"replica_sync": DiLoCo(inner_steps=16, codec="q4"), "tied_codec": "q4"},
+    f"diloco H=16 q4 + tied {SPARSE}": {"replica_sync": DiLoCo(inner_steps=16, codec="q4"), "tied_codec": SPARSE},
+    "clapping-fc q4/q8 + diloco H=16 q4 + tied q4": {
+        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
+        "backward_codec": "q8", "tied_codec": "q4"},
+    f"clapping-fc q4/q8 + diloco H=16 q4 + tied {SPARSE}": {
+        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
+        "backward_codec": "q8", "tied_codec": SPARSE},
 }
-SPLITS = {"fashion_mnist": ["net.4"], "shakespeare": ["blocks.2"], "wordnet_minilm": ["encoder.encoder.layer.3"]}
-STEPS = {"fashion_mnist": 224, "shakespeare": 128, "wordnet_minilm": 64}  # multiples of 16
+SPLITS = {"fashion_mnist": ["net.4"], "shakespeare": ["blocks.2"], "wordnet_minilm": ["encoder.encoder.layer.3"],
+          "shakespeare_tied": ["blocks.2"], "shakespeare_untied_twin": ["blocks.2"]}
+STEPS = {"fashion_mnist": 224, "shakespeare": 128, "wordnet_minilm": 64, "shakespeare_tied": 128,
+         "shakespeare_untied_twin": 128}  # multiples of 16
 TINY = {"steps": 16, "limit": 256, "eval_samples": 64}
 
 
@@ -84,6 +105,7 @@ def run_one(run: Run) -> dict | None:
     dm = task.make_data(run.seed, run.limit, run.eval_samples, task.batch_size)
     dm.setup("fit")
     model = task.make_model(dm)
+    numel = {name: p.numel() for name, p in model.named_parameters(remove_duplicate=False)}
     kwargs = {"forward_codec": "identity", "backward_codec": "identity", **CONFIGS[run.config]}
     strategy = lightning_clapping.ClappingStrategy(split_points=SPLITS[run.task], microbatches=task.microbatches,
                                                    **kwargs)
@@ -98,37 +120,53 @@ def run_one(run: Run) -> dict | None:
     if trainer.global_rank != 0:
         return None
     gradient_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    # k copies of a tied tensor: k (k - 1) fp32 gradients per sum, as the tied bytes count them uncompressed
+    tied_raw = sum(len(g.stages) * (len(g.stages) - 1) * 4 * numel[g.keys[0]]
+                   for g in trainer.strategy.partition.tied)
     return {**asdict(run), "metric": recorder.curve[-1]["metric"], "val_loss": recorder.curve[-1]["val_loss"],
             "bytes_per_step": totals["bytes"] / totals["steps"], "raw_per_step": totals["raw_bytes"] / totals["steps"],
             "replica_per_step": totals["replica_bytes"] / totals["steps"],
             "pipeline_per_step": (totals["bytes"] - totals["replica_bytes"] - totals["tied_bytes"]) / totals["steps"],
+            "tied_per_step": totals["tied_bytes"] / totals["steps"], "tied_raw_per_step": tied_raw,
             "gradient_bytes": gradient_bytes, "fewer_bytes": totals["raw_bytes"] / totals["bytes"],
             "seconds": time.perf_counter() - t0}
 
 
+def _tied(run: dict) -> float:
+    """The tied sum's bytes per step (runs saved before they were recorded apart: what is left of the total)."""
+    if "tied_per_step" in run:
+        return run["tied_per_step"]
+    return run["bytes_per_step"] - run["replica_per_step"] - run["pipeline_per_step"]
+
+
 def summarize(runs: list[dict]) -> list[dict]:
+    runs = [{**r, "tied_per_step": _tied(r)} for r in runs]
     rows = []
     for task in dict.fromkeys(r["task"] for r in runs):
         base = [r for r in runs if r["task"] == task and r["config"] == "every-step"]
         for config in dict.fromkeys(r["config"] for r in runs if r["task"] == task):
             mine = [r for r in runs if r["task"] == task and r["config"] == config]
             mean = {k: sum(r[k] for r in mine) / len(mine) for k in ("metric", "bytes_per_step", "fewer_bytes",
-                                                                    "replica_per_step", "pipeline_per_step")}
+                                                                    "replica_per_step", "pipeline_per_step",
+                                                                    "tied_per_step")}
+            spread = (sum((r["metric"] - mean["metric"]) ** 2 for r in mine) / (len(mine) - 1)) ** 0.5 \
+                if len(mine) > 1 else 0.0
             ref = sum(r["metric"] for r in base) / len(base) if base else float("nan")
             higher = TASKS[task].higher_is_better
             delta = (mean["metric"] - ref) * 100 if higher else (mean["metric"] / ref - 1) * 100
             within = delta >= -1.0 if higher else delta <= 2.0
-            rows.append({"task": task, "config": config, "seeds": len(mine), **mean,
+            rows.append({"task": task, "config": config, "seeds": len(mine), **mean, "metric_std": spread,
                          "delta": delta, "delta_unit": "points" if higher else "%", "within_tolerance": within})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     return _table.table([(r["task"], r["config"], r["metric"], f"{r['delta']:+.2f} {r['delta_unit']}",
-                          r["bytes_per_step"] / 1e6, f"{r['fewer_bytes']:.1f}x",
+                          r["bytes_per_step"] / 1e6, f"{r['fewer_bytes']:.1f}x", r["tied_per_step"] / 1e3,
                           "yes" if r["within_tolerance"] else "NO") for r in rows],
-                        ["task", "config", "metric", "vs every-step", "MB/step", "fewer", "ok"],
-                        floatfmt=(None, None, ".4f", None, ".3f"), colalign=("left", "left") + ("right",) * 4 + ("left",))
+                        ["task", "config", "metric", "vs every-step", "MB/step", "fewer", "tied kB/step", "ok"],
+                        floatfmt=(None, None, ".4f", None, ".3f", None, ".2f"),
+                        colalign=("left", "left") + ("right",) * 5 + ("left",))
 
 
 def main() -> None:

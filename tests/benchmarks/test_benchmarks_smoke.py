@@ -163,3 +163,32 @@ def test_replica_sync_counts_every_step_averaging_as_the_gradients_and_diloco_on
     # DiLoCo H=8 with 4-bit pseudo-gradients: the change once per 8 steps, all-gathered as q4 payloads
     assert 0 < diloco["replica_per_step"] < every["replica_per_step"] / 8 / 6
     assert diloco["pipeline_per_step"] == every["pipeline_per_step"]  # the pipeline's messages are not its business
+
+
+def test_replica_sync_counts_the_tied_sum_and_the_tied_codec_compresses_only_that(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _tied_task import TIED_TASKS
+
+    reason = TIED_TASKS["shakespeare_tied"].missing()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    sparse = "clapping-fc q4/q8 + diloco H=16 q4 + tied topk:0.05+q4"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replica_sync.py"), "--tiny", "--tasks",
+                           "shakespeare_tied", "--configs", "every-step", "every-step + tied q4", sparse,
+                           "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    runs = {r["config"]: r for r in json.loads((tmp_path / "replica_sync_tiny.json").read_text())["runs"]}
+    every, q4, topk = runs["every-step"], runs["every-step + tied q4"], runs[sparse]
+    # the embedding / head tensor [vocab, 128] on 2 stages: each copy's fp32 gradient goes to the other every step
+    raw = every["tied_raw_per_step"]
+    assert raw > 0 and raw % (2 * 128 * 4) == 0
+    assert every["tied_per_step"] == raw and q4["tied_raw_per_step"] == raw
+    # 4 bits a value, the scales and a finite flag; top 5 % of that with positions: several times fewer again
+    assert raw / 8 < q4["tied_per_step"] < raw / 6
+    assert 0 < topk["tied_per_step"] < q4["tied_per_step"] / 3
+    # the tied codec acts on the tied sum only; the fp32 reference counts that sum uncompressed either way
+    assert q4["pipeline_per_step"] == every["pipeline_per_step"] and q4["replica_per_step"] == every["replica_per_step"]
+    assert q4["raw_per_step"] == every["raw_per_step"] == topk["raw_per_step"]
+    assert q4["bytes_per_step"] == pytest.approx(every["bytes_per_step"] - raw + q4["tied_per_step"], abs=1.0)
