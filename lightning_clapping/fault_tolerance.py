@@ -2,8 +2,10 @@
 
 Each replica group (one job of ``stages`` processes: ``devices x num_nodes = stages``) trains its own shard; stage
 ``s`` of every live group averages gradients through torchft (:mod:`lightning_clapping.ft`). The fit's replica sync
-is :class:`TorchftSync`, and it acts through the hooks the step driver calls on every sync
-(:mod:`lightning_clapping.sync.base`):
+is :class:`TorchftSync` (every-step averaging) or, with ``replica_sync=DiLoCo(...)``, :class:`TorchftLocalUpdates`
+(the groups meet at the outer steps only; see its docstring); both take their seat in the quorum through
+:class:`GroupSeat` and act through the hooks the step driver calls on every sync (:mod:`lightning_clapping.sync.base`).
+For every-step averaging:
 
 * the step's gradient average (``after_backward``, ``before_step``): every-step averaging with torchft's
   all-reduce as its DDP hook;
