@@ -158,7 +158,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("tied")
     launch_forked("tied_run.py", str(out), "pipe", "gpt2,gpt2q,bert,hparams,bert_resume", ranks=2, cwd=out,
                   timeout=600)
-    launch_forked("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas,replicas_diloco", ranks=4, cwd=out,
+    launch_forked("tied_run.py", str(out), "pipe", "gpt2x4,bertx4,replicas,replicas_diloco,replicas_every,replicas_diloco1",
+                  ranks=4, cwd=out,
                   timeout=600)
     launch_forked("tied_run.py", str(out), "single", "gpt2,bert,replicas,resume,bert_resume", ranks=1, cwd=out,
                   timeout=600)
@@ -182,6 +183,12 @@ def test_tied_models_train_on_2_and_4_stages_as_in_one_process(runs, case, refer
 
 def test_replicas_with_accumulation_and_clipping_train_as_one_process_on_the_union_of_their_batches(runs):
     _assert_weights_close(_weights(runs.out, "replicas", "pipe"), _weights(runs.out, "replicas", "single"))
+
+
+def test_diloco_with_one_inner_step_trains_a_tied_model_as_every_step_averaging(runs):
+    # H=1, outer lr 1, no momentum under SGD: the outer step applies the replicas' average SGD step, on each stage's
+    # copy of the tied tensor from the same tied sum
+    _assert_weights_close(_weights(runs.out, "replicas_diloco1", "pipe"), _weights(runs.out, "replicas_every", "pipe"))
 
 
 @pytest.mark.parametrize("case, ranks", [("gpt2", 2), ("gpt2x4", 4), ("bert", 2), ("bertx4", 4), ("gpt2q", 2),

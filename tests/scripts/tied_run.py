@@ -12,6 +12,8 @@ gpt2x4:   gpt2 on 4 stages (the middle stages hold no copy)
 replicas: gpt2 on 2 stages x 2 replicas with gradient accumulation and clipping (the single run: the union of the
           replicas' batches, as tests/scripts/replicas_run.py does)
 replicas_diloco: gpt2 on 2 stages x 2 replicas under DiLoCo (H=2, q8 pseudo-gradients) with tied_codec="q4"
+replicas_every, replicas_diloco1: gpt2 on 2 stages x 2 replicas, every-step averaging and DiLoCo(inner_steps=1,
+          outer_lr=1, momentum=0), which under SGD is the same training
 hparams:  gpt2, the network passed to the LightningModule and saved in its hyperparameters (``net: nn.Module``)
 gpt2bn:   gpt2 with its second block wrapped by ``BottleneckAfter(block, 32, 8)`` (a ``Bottleneck`` on the hidden
           states it returns) and the split point naming that bottleneck; gpt2bnwide: the same model, cut after the
@@ -115,6 +117,9 @@ CASES = {
     # DiLoCo over the replicas with a compressed tied sum and compressed pseudo-gradients (pipe only)
     "replicas_diloco": ("gpt2", 2, 2, {}, {"replica_sync": DiLoCo(inner_steps=2, codec="q8"), "tied_codec": "q4"},
                         48),
+    # every-step averaging and DiLoCo(H=1, outer lr 1, no momentum) under SGD: the same training (pipe only)
+    "replicas_every": ("gpt2", 2, 2, {}, {}, 32),
+    "replicas_diloco1": ("gpt2", 2, 2, {}, {"replica_sync": DiLoCo(inner_steps=1, outer_lr=1.0, momentum=0.0)}, 32),
     "resume": ("gpt2", 1, 1, {"max_epochs": 2}, {}, 32),
     "bert_resume": ("bert", 2, 1, {"max_epochs": 2}, {}, 32),
     "hparams": ("gpt2", 2, 1, {}, {}, 32),
