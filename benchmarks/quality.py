@@ -1,10 +1,10 @@
-"""Quality against bytes: every compression variant through a 4-stage pipeline on three real tasks.
+"""Quality against bytes: every compression variant through a 4-stage pipeline on five real tasks.
 
     python benchmarks/quality.py             # the full comparison (3 seeds, all variants; prints its estimate)
     python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 7 h on 2 cores (BENCHMARKS.md's numbers)
     python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
     python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
-    options: --out DIR (default benchmarks/results), --tasks fashion_mnist shakespeare wordnet_minilm, --seeds N,
+    options: --out DIR (default benchmarks/results), --tasks TASK... (default: all five), --seeds N,
              --steps-scale F, --val-every N (held-out points every N steps), --configs LABEL..., --resume (skip runs
              already in DIR/quality_runs.jsonl), --report-only (rebuild the report from it)
 
@@ -13,7 +13,8 @@ official test split), a character-level transformer LM on Shakespeare (d=128, 4 
 metric: validation loss on held-out plays) and the fine-tuning of a pretrained model, all-MiniLM-L6-v2 (transformers)
 classifying WordNet noun glosses into 26 supersenses (held-out metric: accuracy on the validation split). Each model
 is cut into 4 stages (``devices=4``, gloo on CPU). The first two run every configuration below; the fine-tuning task,
-at about 4 minutes a run, runs the subset in ``TASK_CONFIGS`` unless ``--configs`` names others.
+at about 4 minutes a run, runs the subset in ``TASK_CONFIGS`` unless ``--configs`` names others; so do the two
+tasks of ``_more_tasks.py`` (a character LM on WordNet's glosses at width 96, a vision transformer on Fashion-MNIST).
 
 Variants, each at two codec settings (forward / backward codec):
 
@@ -85,6 +86,7 @@ import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
 from _quality_tasks import BOTTLENECK, FITTED, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
+from _more_tasks import register as register_more_tasks  # noqa: E402
 from _residual_settings import OPT_IN_CONFIGS, RESIDUAL, RESIDUAL_CODECS, residual_bottlenecks  # noqa: E402
 
 STAGES = 4
@@ -104,12 +106,8 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     # one bit per value (the sign and one fp32 mean magnitude per channel), both directions: about 30x
     "q1": ("q1", "q1", None),
     # a model change: a trainable Bottleneck (lightning_clapping.Bottleneck) of width / N at every cut, then a codec
-    "bn4": (None, None, None),
-    "bn4 q8": ("q8", "q8", None),
-    "bn4 moderate": ("q4", "q8", None),
-    "bn8": (None, None, None),
-    "bn8 q8": ("q8", "q8", None),
-    "bn8 moderate": ("q4", "q8", None),
+    "bn4": (None, None, None), "bn4 q8": ("q8", "q8", None), "bn4 moderate": ("q4", "q8", None),
+    "bn8": (None, None, None), "bn8 q8": ("q8", "q8", None), "bn8 moderate": ("q4", "q8", None),
     "bn16 moderate": ("q4", "q8", None),
     # the same, started with Bottleneck(init="rescaled"): each half times (width / rank) ** 0.25
     "bn8 rescaled": (None, None, None),
@@ -122,8 +120,7 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
     "bn4 pca moderate": ("q4", "q8", None),
     "bn2 pca aggressive": ("q2", "q4", None),
     "bn3 q4": ("q4", "q4", None),
-    # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's (see
-    # _quality_tasks)
+    # a schedule over training (lightning_clapping.CodecScheduler): these codecs first, then SCHEDULED's
     "q1 then moderate": ("q1", "q1", None),
     "aggressive then moderate": ("q2", "q4", None),
 }
@@ -255,6 +252,7 @@ MODES: dict[str, dict] = {
 #: other jobs running at the same time), only for the estimate printed at the start; the ETA after each run is measured
 STEP_SECONDS = {"fashion_mnist": 0.11, "shakespeare": 0.5, "wordnet_minilm": 0.8}
 EVAL_SECONDS = {"fashion_mnist": 0.0002, "shakespeare": 0.006, "wordnet_minilm": 0.004}
+register_more_tasks(TASKS, MODES, STEP_SECONDS, EVAL_SECONDS, TASK_CONFIGS)  # wordnet_glosses, fashion_vit
 RUN_OVERHEAD_S = 3.0
 
 

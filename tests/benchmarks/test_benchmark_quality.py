@@ -19,11 +19,14 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _more_tasks import MORE_TASKS  # noqa: E402
 from _quality_tasks import TASKS as SPECS  # noqa: E402
 from datasets import missing_reason  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "quality.py"
-TASKS = {"fashion_mnist": "fashion_mnist", "shakespeare": "shakespeare", "wordnet_minilm": "wordnet"}  # -> data source
+SPECS = {**SPECS, **MORE_TASKS}
+TASKS = {"fashion_mnist": "fashion_mnist", "shakespeare": "shakespeare", "wordnet_minilm": "wordnet",  # -> data source
+         "wordnet_glosses": "wordnet", "fashion_vit": "fashion_mnist"}
 
 
 def _missing(task: str) -> str | None:
@@ -90,9 +93,13 @@ def test_each_task_records_bytes_memory_and_a_curve(tiny, task):
         hidden = ((8, 32, 384), 8 * 32 * 384 * 4)
         per_step = 4 * 3 * (message_nbytes([hidden, ((8, 1, 32, 32), 8 * 32 * 32 // 8)]) + message_nbytes([hidden]))
         buffers = 2 * 2 * 3 * 32 * 32 * 384 * 4
-    else:
-        per_step = 2 * 8 * 3 * message_nbytes([((4, 128, 128), 4 * 128 * 128 * 4)])
-        buffers = 2 * 2 * 3 * 32 * 128 * 128 * 4
+    elif task == "fashion_vit":  # 4 micro-batches of 32 images, 49 tokens of width 64
+        per_step = 2 * 4 * 3 * message_nbytes([((32, 49, 64), 32 * 49 * 64 * 4)])
+        buffers = 2 * 2 * 3 * 128 * 49 * 64 * 4
+    else:  # the character LMs: 8 micro-batches of 4 windows, 128 characters, width 128 (Shakespeare) or 96
+        d = 96 if task == "wordnet_glosses" else 128
+        per_step = 2 * 8 * 3 * message_nbytes([((4, 128, d), 4 * 128 * d * 4)])
+        buffers = 2 * 2 * 3 * 32 * 128 * d * 4
     # plus, per step and boundary, the step results (loss and logs, padded to 256 bytes) riding on the last gradient
     # message, and a few resize notes on the first step
     assert 0 < unc["total_bytes"] - 2 * per_step <= 2 * 3 * 512 + 1024
@@ -166,9 +173,10 @@ def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_s
     plans = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(p["last_step_validated"] for p in plans.values()), plans
     # the two tasks trained from scratch: uncompressed twice, then 7 per grid codec setting (direct, ef21, aqsgd, fc
-    # and fu at 2 p), 28 frontier ones; the fine-tuning task: its 14 settings (quality.TASK_CONFIGS)
-    configs_per_task, fine_tuning = 44, 14
-    runs = 3 * (2 * configs_per_task + fine_tuning)
+    # and fu at 2 p), 28 frontier ones; the fine-tuning task: its 14 settings (quality.TASK_CONFIGS); the two tasks of
+    # _more_tasks.py: 6 each
+    configs_per_task, fine_tuning, more = 44, 14, 6
+    runs = 3 * (2 * configs_per_task + fine_tuning + 2 * more)
     assert plans["standard"] == {"runs": runs, "seeds": 3, "last_step_validated": True}
     assert plans["full"]["runs"] == runs
 
