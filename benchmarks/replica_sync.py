@@ -81,6 +81,13 @@ CONFIGS: dict[str, dict] = {
     f"clapping-fc q4/q8 + diloco H=16 q4 + tied {SPARSE}": {
         "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
         "backward_codec": "q8", "tied_codec": SPARSE},
+    # the same two with plain averaging as the outer step (what holds on shakespeare_tied)
+    "clapping-fc q4/q8 + diloco H=16 avg q4 + tied q4": {
+        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
+        "forward_codec": "q4", "backward_codec": "q8", "tied_codec": "q4"},
+    f"clapping-fc q4/q8 + diloco H=16 avg q4 + tied {SPARSE}": {
+        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
+        "forward_codec": "q4", "backward_codec": "q8", "tied_codec": SPARSE},
 }
 SPLITS = {"fashion_mnist": ["net.4"], "shakespeare": ["blocks.2"], "wordnet_minilm": ["encoder.encoder.layer.3"],
           "shakespeare_tied": ["blocks.2"], "shakespeare_untied_twin": ["blocks.2"]}
