@@ -39,6 +39,7 @@ def draw(rows: list[dict], out: Path) -> dict[str, int]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
@@ -69,6 +70,9 @@ def draw(rows: list[dict], out: Path) -> dict[str, int]:
             ax.annotate(r["config"].replace("clapping-fc q4/q8 + ", "FC + ") + clipped,
                         (r["fewer_bytes"], max(y, -12 * tol)), fontsize=6, xytext=(3, 2), textcoords="offset points")
         ax.set_xscale("log")
+        # one x range for every panel (a panel of few settings would otherwise get crowded minor-tick labels)
+        ax.set_xlim(0.8, 1.6 * max(r["fewer_bytes"] for r in rows))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_ylim(-12.5 * tol, 3 * tol)
         ax.set_xlabel("x fewer bytes than uncompressed every-step\n(everything a rank sends)", fontsize=8)
         ax.set_ylabel("accuracy change, points" if unit == "points" else "validation loss change, % (down: worse)",
