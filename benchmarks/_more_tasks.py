@@ -142,7 +142,8 @@ def _vit_data(seed: int, limit: int | None, eval_samples: int | None, batch_size
 
 def _blocks_bottlenecks(model, divisor: int, init: str):
     # before blocks 1, 2 and 3: the residual stream
-    return with_bottlenecks(model, "blocks", [1, 2, 3], divisor, init, lambda blocks, i: blocks[i].ln1.normalized_shape[0])
+    return with_bottlenecks(model, "blocks", [1, 2, 3], divisor, init,
+                            lambda blocks, i: blocks[i].ln1.normalized_shape[0])
 
 
 MORE_TASKS: dict[str, Task] = {

@@ -188,7 +188,8 @@ def test_replicas_with_accumulation_and_clipping_train_as_one_process_on_the_uni
 def test_diloco_with_one_inner_step_trains_a_tied_model_as_every_step_averaging(runs):
     # H=1, outer lr 1, no momentum under SGD: the outer step applies the replicas' average SGD step, on each stage's
     # copy of the tied tensor from the same tied sum
-    _assert_weights_close(_weights(runs.out, "replicas_diloco1", "pipe"), _weights(runs.out, "replicas_every", "pipe"))
+    _assert_weights_close(_weights(runs.out, "replicas_diloco1", "pipe"),
+                          _weights(runs.out, "replicas_every", "pipe"))
 
 
 @pytest.mark.parametrize("case, ranks", [("gpt2", 2), ("gpt2x4", 4), ("bert", 2), ("bertx4", 4), ("gpt2q", 2),
