@@ -1,7 +1,7 @@
 """Quality against bytes: every compression variant through a 4-stage pipeline on five real tasks.
 
     python benchmarks/quality.py             # the full comparison (3 seeds, all variants; prints its estimate)
-    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 7 h on 2 cores (BENCHMARKS.md's numbers)
+    python benchmarks/quality.py --standard  # 3 seeds, shorter runs: about 8.5 h on 2 cores (BENCHMARKS.md's numbers)
     python benchmarks/quality.py --quick     # a few minutes on 2 cores: 1 seed, fewer steps, smaller held-out sets
     python benchmarks/quality.py --tiny      # a smoke test (seconds of training): 2 steps, 2 variants, data subsets
     options: --out DIR (default benchmarks/results), --tasks TASK... (default: all five), --seeds N,
