@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from _quality_tasks import MLP, HeldOutFashionMNIST, Task, _char_transformer, _even_subset, with_bottlenecks
+from _quality_tasks import MLP, Task, _char_transformer, _even_subset, _fashion_data, blocks_bottlenecks
 from datasets import WORDNET_DIRS, CharWindowDataset, _SplitDataModule, find_wordnet_noun_file
 
 #: WordNet's data files, in the order their glosses are concatenated
@@ -136,16 +136,6 @@ def _gloss_data(seed: int, limit: int | None, eval_samples: int | None, batch_si
     return GlossChars(batch_size=batch_size, seed=seed, limit=limit, eval_samples=eval_samples)
 
 
-def _vit_data(seed: int, limit: int | None, eval_samples: int | None, batch_size: int):
-    return HeldOutFashionMNIST(batch_size=batch_size, seed=seed, limit=limit, eval_samples=eval_samples)
-
-
-def _blocks_bottlenecks(model, divisor: int, init: str):
-    # before blocks 1, 2 and 3: the residual stream
-    return with_bottlenecks(model, "blocks", [1, 2, 3], divisor, init,
-                            lambda blocks, i: blocks[i].ln1.normalized_shape[0])
-
-
 MORE_TASKS: dict[str, Task] = {
     "wordnet_glosses": _GlossTask(
         name="wordnet_glosses",
@@ -155,13 +145,13 @@ MORE_TASKS: dict[str, Task] = {
         make_data=_gloss_data,
         make_model=lambda dm: _char_transformer()(dm.vocab_size, block_size=128, d=96, heads=4, layers=4,
                                                   dropout=0.1, lr=1e-3, warmup=20),
-        add_bottlenecks=_blocks_bottlenecks, gradient_clip_val=1.0),
+        add_bottlenecks=blocks_bottlenecks, gradient_clip_val=1.0),
     "fashion_vit": Task(
         name="fashion_vit",
         title="Fashion-MNIST, vision transformer (4x4 patches, d=64 x 4 blocks), 4 stages",
         metric="val_acc", metric_label="test accuracy (official test split)", higher_is_better=True,
         source="fashion_mnist", split_points=["blocks.1", "blocks.2", "blocks.3"], microbatches=4, batch_size=128,
-        make_data=_vit_data, make_model=lambda dm: FashionViT(), add_bottlenecks=_blocks_bottlenecks,
+        make_data=_fashion_data, make_model=lambda dm: FashionViT(), add_bottlenecks=blocks_bottlenecks,
         gradient_clip_val=1.0),
 }
 #: per quality.py mode: steps, validation interval, train/eval subsets (the "standard" lengths are the longer runs

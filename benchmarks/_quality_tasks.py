@@ -247,6 +247,13 @@ def with_bottlenecks(model: L.LightningModule, container: str, cuts: list[int], 
     return model, points
 
 
+def blocks_bottlenecks(model: L.LightningModule, divisor: int, init: str) -> tuple[L.LightningModule, list[str]]:
+    """A transformer's ``blocks`` with a Bottleneck before blocks 1, 2 and 3 (the residual stream, as wide as each
+    block's first LayerNorm): the cuts of every character LM and the vision transformer of the benchmarks."""
+    return with_bottlenecks(model, "blocks", [1, 2, 3], divisor, init,
+                            lambda blocks, i: blocks[i].ln1.normalized_shape[0])
+
+
 def with_bottlenecks_after(model: L.LightningModule, container: str, cuts: list[int], divisor: int, init: str,
                            width: int) -> tuple[L.LightningModule, list[str]]:
     """For a model that calls the blocks of ``model.<container>`` in a loop (a Hugging Face encoder): each block just
@@ -334,9 +341,7 @@ TASKS: dict[str, Task] = {
         make_data=_shakespeare_data,
         make_model=lambda dm: _char_transformer()(dm.vocab_size, block_size=128, d=128, heads=4, layers=4,
                                                   dropout=0.0, lr=1e-3, warmup=20),
-        # before blocks 1, 2 and 3: the residual stream, width 128
-        add_bottlenecks=lambda model, divisor, init: with_bottlenecks(
-            model, "blocks", [1, 2, 3], divisor, init, lambda blocks, i: blocks[i].ln1.normalized_shape[0]),
+        add_bottlenecks=blocks_bottlenecks,  # the residual stream, width 128
         gradient_clip_val=1.0,
     ),
     "wordnet_minilm": Task(

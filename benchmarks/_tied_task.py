@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from _quality_tasks import Task, _char_transformer, _shakespeare_data, with_bottlenecks
+from _quality_tasks import Task, _char_transformer, _shakespeare_data, blocks_bottlenecks
 
 CharTransformer = _char_transformer()
 
@@ -62,8 +62,7 @@ SHAKESPEARE_TIED = Task(
     make_data=_shakespeare_data,
     make_model=lambda dm: TiedCharTransformer(dm.vocab_size, block_size=128, d=128, heads=4, layers=4, dropout=0.0,
                                               lr=1e-3, warmup=20),
-    add_bottlenecks=lambda model, divisor, init: with_bottlenecks(
-        model, "blocks", [1, 2, 3], divisor, init, lambda blocks, i: blocks[i].ln1.normalized_shape[0]),
+    add_bottlenecks=blocks_bottlenecks,
     gradient_clip_val=1.0,
 )
 
