@@ -2,9 +2,9 @@
 ``python benchmarks/replica_sync_slow.py --worker CONFIG`` with the environment torchrun would give it (``NODE_RANK``,
 ``GLOO_SOCKET_IFNAME``, ``MASTER_ADDR`` ...; see ``_slow_network_launch.Runner``).
 
-It trains ``_quality_tasks.TASKS["shakespeare"]`` (its data, model, micro-batches and gradient clipping) cut into 2
-stages at ``blocks.2`` and replicated twice (``Trainer(devices=1, num_nodes=4)``), with the run's ``replica_sync``
-setting, records every training step and validation (``_slow_network_worker.Recorder``: wall time, the interface's
+It trains the run's task of ``_quality_tasks.TASKS`` (its data, model, micro-batches and gradient clipping) cut into
+2 stages at the run's split point and replicated twice (``Trainer(devices=1, num_nodes=4)``), with the run's
+``replica_sync`` setting, records every training step and validation (``_slow_network_worker.Recorder``: wall time, the interface's
 byte counters) and writes ``rank<R>.json`` into the run's folder. With ``stop_at`` it stops at the first validation
 whose loss is at or below that value (rank 0's decision, which holds the last stage of replica 0, broadcast by the
 strategy's ``reduce_boolean_decision``, as Lightning's EarlyStopping does).

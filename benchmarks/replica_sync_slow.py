@@ -17,14 +17,18 @@ send at twice the rate), with the configured one-way delay and a ``--latency`` q
 checked with ``_slow_network_links.check_link`` (UDP echo: RTT = 2 x delay; 2 s TCP transfer: the rate; with sites,
 also a pair within one site: no delay, no limit); the table is printed and saved.
 
-Model and data: ``_quality_tasks.TASKS["shakespeare"]`` (examples/char_lm.py's CharTransformer d=128, 4 heads, 4
-blocks, context 128, AdamW 1e-3 with 20 warm-up steps, gradient clipping 1.0, batch 32 per replica, 8
-micro-batches, 1F1B) cut at ``blocks.2`` (2 blocks per stage, as ``benchmarks/replica_sync.py``); each replica
-trains on its own half of the data. Each rank uses one CPU thread.
+Model and data (``--task``): ``_quality_tasks.TASKS["shakespeare"]`` (the default: examples/char_lm.py's
+CharTransformer d=128, 4 heads, 4 blocks, context 128, AdamW 1e-3 with 20 warm-up steps, gradient clipping 1.0, batch
+32 per replica, 8 micro-batches, 1F1B) cut at ``blocks.2`` (2 blocks per stage, as ``benchmarks/replica_sync.py``), or
+``TASKS["wordnet_minilm"]`` (the pretrained all-MiniLM-L6-v2 fine-tuned on WordNet supersenses, AdamW 1e-4, batch 32
+per replica, 4 micro-batches) cut at ``encoder.encoder.layer.3``: its stage 0 holds 17.2 M parameters (the token
+embedding), so every-step's averaging is 69 MB per step against 3 MB of activations. Each replica trains on its own
+half of the data. Each rank uses one CPU thread. The target is a validation loss on either task.
 
 Settings (``replica_sync=``, those of ``benchmarks/replica_sync.py`` that stayed within tolerance there): every-step,
 ``DiLoCo(inner_steps=H)``, ``DiLoCo(inner_steps=H, codec="q4")`` and clapping-fc q4/q8 + that DiLoCo (H = 16 by
-default). The pipeline is uncompressed ("identity" codecs) except in the last one.
+default), and the last two with plain averaging as the outer step (``... avg q4``: outer lr 1, no momentum). The
+pipeline is uncompressed ("identity" codecs) except in the clapping-fc settings.
 
 Time to target, as ``benchmarks/time_to_target.py`` does it (the arithmetic of a run does not depend on the link):
 
@@ -41,7 +45,9 @@ Time to target, as ``benchmarks/time_to_target.py`` does it (the arithmetic of a
    is slower than its local steps, and the window holds exactly two of them (steps 2H and 3H). The first H steps stay
    out: the first outer step (step H) carries one-time costs (the first use of the pseudo-gradient codec and the outer
    optimizer: 26 s in a --tiny run on a loaded 2-core machine, against 2-5 s for the later ones), reported on their
-   own as ``first_sync_step_s`` and, as warm-up in time_to_target.py, not in the time to target. The mean of the timed sync steps alone is reported too (``sync step s``).
+   own as ``first_sync_step_s`` and, as warm-up in time_to_target.py, not in the time to target. The mean of the timed sync steps alone is reported too (``sync step s``). With ``--baseline-steps N``
+   every-step's timing runs are N steps and its mean is over the steps after ``--baseline-skip`` (2): its steps all
+   cost the same, and on the fine-tuning task one takes about 30 s at 25 Mbit/s.
 
 Time to target = steps to target x mean step time on that link; the report gives every-step's time / the setting's
 (``x every-step``, > 1: faster than every-step), and the loopback step of each setting (the compute-only limit).
@@ -87,14 +93,32 @@ from _slow_network_report import _fmt, machine  # noqa: E402
 from _slow_network_settings import LinkSpec, parse_link  # noqa: E402
 from _replica_sync_slow_report import LAYOUT_TEXT, _slug, combine, print_table, write_results  # noqa: E402
 
-TASK = "shakespeare"
-SPLIT_POINTS = ["blocks.2"]  # 2 stages, as benchmarks/replica_sync.py cuts this task
+#: --task -> where it is cut (2 stages, as benchmarks/replica_sync.py cuts it), rough numbers for the estimate and
+#: the run timeouts (2 idle cores, 4 ranks of one thread), and the line the script prints
+SLOW_TASKS: dict[str, dict] = {
+    "shakespeare": dict(
+        split_points=["blocks.2"],
+        loopback_step_s=0.9,  # 2 blocks per rank, batch 32 per replica, 8 micro-batches; 2 replicas on 2 cores
+        stage_grad_bytes=423_680 * 4,  # fp32 gradient of stage 0 (the larger): what every-step all-reduces per step
+        pipe_bytes=32 * 128 * 128 * 4,  # one boundary message per step and direction, fp32
+        text="Shakespeare char-LM (TASKS['shakespeare']: d=128, 4 blocks, context 128, batch 32 per replica, 8 "
+             "micro-batches, clip 1.0) cut at blocks.2: 2 stages x 2 replicas = 4 ranks, one thread each"),
+    "wordnet_minilm": dict(
+        split_points=["encoder.encoder.layer.3"],
+        loopback_step_s=2.8,  # 3 layers per rank, batch 32 per replica, 4 micro-batches; 2 replicas on 2 cores
+        stage_grad_bytes=17_241_984 * 4,  # stage 0: the 30,522 x 384 token embedding and layers 0-2
+        pipe_bytes=32 * 32 * 384 * 4,
+        text="WordNet supersenses, the pretrained all-MiniLM-L6-v2 fine-tuned (TASKS['wordnet_minilm']: 6 layers, "
+             "width 384, 32 tokens, batch 32 per replica, 4 micro-batches, AdamW 1e-4) cut at "
+             "encoder.encoder.layer.3: 2 stages x 2 replicas = 4 ranks, one thread each"),
+}
 STAGES, REPLICAS = 2, 2
 WORLD = STAGES * REPLICAS
 BASELINE = "every-step"
 DEFAULT_LINKS = ["10@25", "25@25", "100@25"]
 #: layout -> the site of each global rank (None: every rank its own site, every packet crosses the slow link)
 LAYOUTS: dict[str, tuple[int, ...] | None] = {"sites": (0, 0, 1, 1), "all-slow": None}
+AVG = {"outer_lr": 1.0, "momentum": 0.0}
 TINY = dict(links=["25@25"], inner_steps=2, steps=4, val_every=2, data_limit=256, eval_samples=64,
             settings=[BASELINE, "clapping-fc q4/q8 + diloco H=2 q4"])
 
@@ -109,6 +133,11 @@ def make_settings(h: int) -> dict[str, dict]:
         f"diloco H={h} q4": {"replica_sync": dict(diloco, codec="q4")},
         f"clapping-fc q4/q8 + diloco H={h} q4": {"replica_sync": dict(diloco, codec="q4"), "variant": "clapping-fc",
                                                   "forward_codec": "q4", "backward_codec": "q8"},
+        # plain averaging as the outer step (outer lr 1, no momentum), as replica_sync.py's "... avg q4"
+        f"diloco H={h} avg q4": {"replica_sync": dict(diloco, codec="q4", **AVG)},
+        f"clapping-fc q4/q8 + diloco H={h} avg q4": {"replica_sync": dict(diloco, codec="q4", **AVG),
+                                                      "variant": "clapping-fc", "forward_codec": "q4",
+                                                      "backward_codec": "q8"},
     }
 
 
@@ -148,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "link too); the loopback trajectories are shared")
     ap.add_argument("--settings", nargs="+", default=None, metavar="LABEL",
                     help="the settings to run (default: all; every-step is always run, it sets the target)")
+    ap.add_argument("--task", choices=list(SLOW_TASKS), default="shakespeare",
+                    help="the model and data (default shakespeare; wordnet_minilm: fine-tuning a pretrained model "
+                         "whose stage 0 holds 17 M parameters, where the replicas' averaging dominates)")
     ap.add_argument("--inner-steps", type=int, default=16, help="DiLoCo's H (default 16)")
     ap.add_argument("--steps", type=int, default=128, help="every-step's loopback steps; its last loss is the target")
     ap.add_argument("--budget", type=float, default=2.0, help="other settings train up to this many x --steps")
@@ -159,6 +191,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "carries one-time costs such as the codecs' first use, stays out of the window)")
     ap.add_argument("--timing-steps", type=int, default=None,
                     help="steps of a timing run (default skip + 2 x H = 3 x H; at least that)")
+    ap.add_argument("--baseline-steps", type=int, default=None,
+                    help="steps of every-step's timing runs (default: as the others); its steps all cost the same, "
+                         "so a few suffice where one takes a minute on a slow link")
+    ap.add_argument("--baseline-skip", type=int, default=2,
+                    help="with --baseline-steps: its first steps left out of the mean (default 2)")
     ap.add_argument("--data-limit", type=int, default=None, help="training windows (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--latency", default="100ms", help="the relay's queue bound (tail drop), as tbf's latency")
@@ -194,20 +231,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --val-every ({args.val_every})")
     args.long_steps = max(args.steps, int(args.steps * args.budget) // args.val_every * args.val_every)
     args.timing_steps = max(args.timing_steps or 0, args.skip + 2 * args.inner_steps)
+    if args.baseline_steps is not None and args.baseline_steps <= args.baseline_skip:
+        raise SystemExit(f"--baseline-steps ({args.baseline_steps}) must be more than --baseline-skip "
+                         f"({args.baseline_skip})")
     args.layouts = ["sites", "all-slow"] if args.all_slow else ["sites"]
     args.out = args.out or (Path(tempfile.gettempdir()) / "replica_sync_slow_tiny" if args.tiny
                             else HERE / "results")
     return args
 
 
-# rough numbers for the estimate and the run timeouts (2 idle cores, 4 ranks of one thread)
-LOOPBACK_STEP_S = 0.9  # 2 blocks per rank, batch 32 per replica, 8 micro-batches; 2 replicas on 2 cores
+# rough numbers for the estimate and the run timeouts (2 idle cores, 4 ranks of one thread; per task: SLOW_TASKS)
 START_UP_S = 25.0  # processes, rendezvous, data, model
 LINK_CHECK_S = 10.0  # relay start, 20 pings and a 2 s TCP transfer, per pair (two with sites)
 VAL_BATCH_S = 0.15  # one held-out batch of 64 windows through the pipeline
 WIRE_FACTOR = 1.3  # share of the busiest sender's wire time that does not hide (time_to_target.py's fit)
-STAGE_GRAD_BYTES = 423_680 * 4  # fp32 gradient of stage 0 (the larger): what every-step all-reduces per step
-PIPE_BYTES = 32 * 128 * 128 * 4  # one boundary message per step and direction, fp32
 REPLICA_SHARE = {"every-step": 1.0, "lag": 0.6}  # bytes of the replica sync per step against every-step's
 
 
@@ -219,34 +256,43 @@ def replica_share(label: str, setting: dict) -> float:
                       else 1.0)
 
 
-def estimate_step_s(label: str, setting: dict, link: LinkSpec | None, layout: str) -> float:
-    """A step of the busiest rank: loopback compute, the unhidden wire time of what it sends across sites, the
-    round trips of the collectives (and, all-slow, the pipeline's fill and drain)."""
+def estimate_step_s(task: dict, label: str, setting: dict, link: LinkSpec | None, layout: str) -> float:
+    """A step of the busiest rank of ``task`` (a SLOW_TASKS entry): loopback compute, the unhidden wire time of what
+    it sends across sites, the round trips of the collectives (and, all-slow, the pipeline's fill and drain)."""
     if link is None:
-        return LOOPBACK_STEP_S
-    sent = STAGE_GRAD_BYTES * 1.0 * replica_share(label, setting)  # 2 replicas: gloo's ring sends the tensor once
+        return task["loopback_step_s"]
+    sent = task["stage_grad_bytes"] * 1.0 * replica_share(label, setting)  # 2 replicas: gloo's ring sends the tensor once
     trips = 4
     if layout == "all-slow":
         fwd, bwd = (1 / 7.5, 1 / 3.8) if setting.get("variant") == "clapping-fc" else (1.0, 1.0)
-        sent += PIPE_BYTES * max(fwd, bwd)
+        sent += task["pipe_bytes"] * max(fwd, bwd)
         trips += 2 * (STAGES - 1) + 2
-    return LOOPBACK_STEP_S + trips * link.delay_ms / 1e3 + WIRE_FACTOR * sent * 8 / (link.rate_mbit * 1e6)
+    return task["loopback_step_s"] + trips * link.delay_ms / 1e3 + WIRE_FACTOR * sent * 8 / (link.rate_mbit * 1e6)
 
 
 def estimate_seconds(args: argparse.Namespace) -> tuple[float, float]:
     """(loopback trajectories, timing runs) in seconds, at worst (no early stop)."""
+    task = SLOW_TASKS[args.task]
     val_s = args.eval_samples / 64 / REPLICAS * VAL_BATCH_S
     traj = 0.0
     for label in args.settings:
         n = args.steps if label == BASELINE else args.long_steps
-        traj += START_UP_S + n * LOOPBACK_STEP_S + n // args.val_every * val_s
+        traj += START_UP_S + n * task["loopback_step_s"] + n // args.val_every * val_s
     timing = 0.0
     for layout in args.layouts:
         for link in args.links:
             timing += LINK_CHECK_S * (2 if LAYOUTS[layout] else 1)
             for label, setting in args.settings.items():
-                timing += START_UP_S + args.timing_steps * estimate_step_s(label, setting, link, layout)
+                timing += START_UP_S + timing_steps(args, label)[0] * estimate_step_s(task, label, setting, link,
+                                                                                      layout)
     return traj, timing
+
+
+def timing_steps(args: argparse.Namespace, label: str) -> tuple[int, int]:
+    """(steps, skip) of a setting's timing runs: every-step's from --baseline-steps where given."""
+    if label == BASELINE and args.baseline_steps is not None:
+        return args.baseline_steps, args.baseline_skip
+    return args.timing_steps, args.skip
 
 
 def run_timeout(steps: int, step_s: float, vals: int, val_batches: float) -> float:
@@ -259,7 +305,7 @@ def run_timeout(steps: int, step_s: float, vals: int, val_batches: float) -> flo
 
 
 def base_config(args: argparse.Namespace) -> dict:
-    return {"task": TASK, "split_points": SPLIT_POINTS, "seed": args.seed, "data_limit": args.data_limit,
+    return {"task": args.task, "split_points": SLOW_TASKS[args.task]["split_points"], "seed": args.seed, "data_limit": args.data_limit,
             "eval_samples": args.eval_samples, "threads": args.threads, "strategy_timeout": 600}
 
 
@@ -330,7 +376,7 @@ def trajectories(args, runner: Runner, loop_ep, plan_total: int, counter: list[i
         run_label(counter[0], plan_total, "loopback (steps to target)", label)
         key = f"{counter[0]:02d}_loopback_{_slug(label)}"
         raw = runner.run(key, cfg, [loop_ep] * WORLD,
-                         run_timeout(steps, LOOPBACK_STEP_S, steps // args.val_every, val_batches))
+                         run_timeout(steps, SLOW_TASKS[args.task]["loopback_step_s"], steps // args.val_every, val_batches))
         row = dict(summarize_run(raw, label, setting, args.skip), kind="trajectory", budget_steps=steps,
                    stop_at=cfg["stop_at"])
         print_outcome(row)
@@ -360,15 +406,16 @@ def timing_runs(args, lab: Lab, runner: Runner, delay_eps, plan_total: int, coun
                 counter[0] += 1
                 where = f"{link_label(link)}, {layout}"
                 run_label(counter[0], plan_total, where, label)
-                cfg = dict(base_config(args), setting=setting, steps=args.timing_steps, val_every=args.timing_steps,
-                           val_batches=1, stop_at=None)
+                steps, skip = timing_steps(args, label)
+                cfg = dict(base_config(args), setting=setting, steps=steps, val_every=steps, val_batches=1,
+                           stop_at=None)
                 key = f"{counter[0]:02d}_{layout}_{spec.key.split('_sites')[0]}_{_slug(label)}"
                 before = lab.counters(endpoints)
                 cpu0 = (lab.relay_stats() or {}).get("cpu_s")
                 raw = runner.run(key, cfg, endpoints, run_timeout(
-                    args.timing_steps, estimate_step_s(label, setting, link, layout), 1, 1))
+                    steps, estimate_step_s(SLOW_TASKS[args.task], label, setting, link, layout), 1, 1))
                 counters = Lab.delta(before, lab.counters(endpoints))
-                row = dict(summarize_run(raw, label, setting, args.skip), kind="timing", layout=layout,
+                row = dict(summarize_run(raw, label, setting, skip), kind="timing", layout=layout,
                            link=link_label(link), rate_mbit=link.rate_mbit, delay_ms=link.delay_ms,
                            sites=None if LAYOUTS[layout] is None else list(LAYOUTS[layout]))
                 row["relay"] = relay_summary(lab.relay_stats())
@@ -418,9 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     n_runs = len(args.settings) * (1 + len(args.layouts) * len(args.links))
     print(f"machine: {info['cpu']}, {info['logical_cpus']} logical CPUs, torch {info['torch']}, lightning "
           f"{info['lightning']}, load average {', '.join(f'{x:.2f}' for x in info['load_average_at_start'])}")
-    print(f"{TASKS_TEXT}; H = {args.inner_steps}; loopback: every-step {args.steps} steps, the others up to "
+    print(f"{SLOW_TASKS[args.task]['text']}; H = {args.inner_steps}; loopback: every-step {args.steps} steps, the others up to "
           f"{args.long_steps} (stop at the target), validation every {args.val_every} steps on {args.eval_samples} "
-          f"held-out windows; timing runs: {args.timing_steps} steps, mean over steps > {args.skip}")
+          f"held-out samples; timing runs: {args.timing_steps} steps, mean over steps > {args.skip}"
+          + (f" (every-step: {args.baseline_steps} steps, mean over steps > {args.baseline_skip})"
+             if args.baseline_steps is not None else ""))
     print(f"layouts: {'; '.join(f'{x}: {LAYOUT_TEXT[x]}' for x in args.layouts)}")
     print(f"links between sites: {', '.join(link_label(x) for x in args.links)} (relay: rate per sending rank, no "
           f"burst, queue {args.latency})")
@@ -467,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": " ".join(["python", "benchmarks/replica_sync_slow.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": info,
-        "settings": {"task": TASK, "split_points": SPLIT_POINTS, "stages": STAGES, "replicas": REPLICAS,
+        "settings": {"task": args.task, "split_points": SLOW_TASKS[args.task]["split_points"], "stages": STAGES, "replicas": REPLICAS,
                      "rank_layout": "global rank = replica * 2 + (1 - stage)",
                      "layouts": {x: {"sites_per_rank": LAYOUTS[x], "text": LAYOUT_TEXT[x]} for x in args.layouts},
                      "links": [link_label(x) for x in args.links], "relay_queue": args.latency,
@@ -475,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                      "configs": args.settings, "inner_steps": args.inner_steps, "steps": args.steps,
                      "budget": args.budget, "long_steps": args.long_steps, "val_every": args.val_every,
                      "eval_samples": args.eval_samples, "timing_steps": args.timing_steps, "skip": args.skip,
+                     "baseline_steps": args.baseline_steps, "baseline_skip": args.baseline_skip,
                      "data_limit": args.data_limit, "seed": args.seed, "threads_per_rank": args.threads,
                      "tiny": args.tiny, "estimate_s": {"trajectories": traj_s, "timing": timing_s}},
         "target_val_loss": target, "link_checks": checks, "rows": rows,
@@ -485,9 +535,6 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in traj_rows + timing_rows if r["error"]]
     return 1 if failed else 0
 
-
-TASKS_TEXT = ("Shakespeare char-LM (TASKS['shakespeare']: d=128, 4 blocks, context 128, batch 32 per replica, 8 "
-              "micro-batches, clip 1.0) cut at blocks.2: 2 stages x 2 replicas = 4 ranks, one thread each")
 
 if __name__ == "__main__":
     sys.exit(main())
