@@ -81,6 +81,16 @@ CONFIGS: dict[str, dict] = {
     f"clapping-fc q4/q8 + diloco H=16 q4 + tied {SPARSE}": {
         "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
         "backward_codec": "q8", "tied_codec": SPARSE},
+    "clapping-fc q4/q8 + diloco H=16 avg q4": {
+        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
+        "forward_codec": "q4", "backward_codec": "q8"},
+    # shorter intervals, for the fine-tuning task (where H=16 loses 2 points in 64 steps)
+    "clapping-fc q4/q8 + diloco H=8 avg q4": {
+        "replica_sync": DiLoCo(inner_steps=8, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
+        "forward_codec": "q4", "backward_codec": "q8"},
+    "clapping-fc q4/q8 + diloco H=4 avg q4": {
+        "replica_sync": DiLoCo(inner_steps=4, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
+        "forward_codec": "q4", "backward_codec": "q8"},
     # the same two with plain averaging as the outer step (what holds on shakespeare_tied)
     "clapping-fc q4/q8 + diloco H=16 avg q4 + tied q4": {
         "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",

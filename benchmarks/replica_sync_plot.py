@@ -2,7 +2,7 @@
 
     python benchmarks/replica_sync_plot.py [--results benchmarks/results/replica_sync.json] [--out PNG]
 
-One panel per task: x is how many times fewer bytes a replica's ranks sent per optimizer step than uncompressed
+One panel per task (three to a row): x is how many times fewer bytes a replica's ranks sent per optimizer step than uncompressed
 every-step training (pipeline messages, tied sum and replica sync together; log scale), y is the held-out metric's
 change against every-step averaging (accuracy points, or the validation loss in %, drawn so that up is better), each
 point the mean of the row's seeds. The band is the tolerance (1 point / 2 %). Colours group the settings by mode.
@@ -42,9 +42,13 @@ def draw(rows: list[dict], out: Path) -> dict[str, int]:
     import matplotlib.ticker
 
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 4.2), squeeze=False)
+    cols = min(3, len(tasks))
+    grid = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(5.2 * cols, 4.2 * grid), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
     drawn: dict[str, int] = {}
-    for ax, task in zip(axes[0], tasks):
+    for ax, task in zip(axes.flat, tasks):
         mine = [r for r in rows if r["task"] == task]
         unit = mine[0]["delta_unit"]
         sign = 1.0 if unit == "points" else -1.0  # a higher loss is worse: drawn downwards

@@ -27,8 +27,9 @@ half of the data. Each rank uses one CPU thread. The target is a validation loss
 
 Settings (``replica_sync=``, those of ``benchmarks/replica_sync.py`` that stayed within tolerance there): every-step,
 ``DiLoCo(inner_steps=H)``, ``DiLoCo(inner_steps=H, codec="q4")`` and clapping-fc q4/q8 + that DiLoCo (H = 16 by
-default), and the last two with plain averaging as the outer step (``... avg q4``: outer lr 1, no momentum). The
-pipeline is uncompressed ("identity" codecs) except in the clapping-fc settings.
+default), the last two with plain averaging as the outer step (``... avg q4``: outer lr 1, no momentum), and
+``DiLoCo(..., overlap=H // 4)`` (streaming DiLoCo's overlap: the sync runs beside H/4 inner steps) with either outer
+step. The pipeline is uncompressed ("identity" codecs) except in the clapping-fc settings.
 
 Time to target, as ``benchmarks/time_to_target.py`` does it (the arithmetic of a run does not depend on the link):
 
@@ -138,6 +139,9 @@ def make_settings(h: int) -> dict[str, dict]:
         f"clapping-fc q4/q8 + diloco H={h} avg q4": {"replica_sync": dict(diloco, codec="q4", **AVG),
                                                       "variant": "clapping-fc", "forward_codec": "q4",
                                                       "backward_codec": "q8"},
+        # streaming DiLoCo's overlap: each sync's collective runs beside H/4 more inner steps
+        f"diloco H={h} q4 overlap {h // 4}": {"replica_sync": dict(diloco, codec="q4", overlap=h // 4)},
+        f"diloco H={h} avg q4 overlap {h // 4}": {"replica_sync": dict(diloco, codec="q4", overlap=h // 4, **AVG)},
     }
 
 
