@@ -91,7 +91,11 @@ def print_table(rows: list[dict], target: float | None) -> None:
     print(f"\n{LEGEND}")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+#: --task -> the plot's name for it
+TASK_TITLES = {"shakespeare": "Shakespeare char-LM", "wordnet_minilm": "MiniLM-L6 fine-tuned on WordNet supersenses"}
+
+
+def plot(rows: list[dict], path: Path, task: str = "shakespeare") -> None:
     """Time to target against the link rate, one panel per layout, one line per setting; "not reached" as an x at
     the top of its panel."""
     import matplotlib
@@ -126,14 +130,15 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(rates, [f"{x:g}" for x in rates])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        low, high = ax.get_ylim()  # minor labels only where the panel spans less than a decade (else they crowd)
+        ax.yaxis.set_minor_formatter(ScalarFormatter() if high / low < 10 else NullFormatter())
         delays = sorted({r["delay_ms"] for r in mine})
         ax.set_xlabel(f"link rate between sites, Mbit/s ({', '.join(f'{d:g}' for d in delays)} ms one-way)")
         ax.set_ylabel("time to target, s (steps x mean step)")
         ax.set_title(f"{layout}: {LAYOUT_TEXT[layout]}", fontsize=8)
         ax.legend(fontsize=7)
-    fig.suptitle("2 replicas x 2 stages, Shakespeare char-LM: time to every-step's final loss (x: not reached)",
-                 fontsize=10)
+    fig.suptitle(f"2 replicas x 2 stages, {TASK_TITLES.get(task, task)}:\ntime to every-step's final loss "
+                 "(x: not reached)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -145,7 +150,7 @@ def write_results(result: dict, out: Path, stem: str) -> list[Path]:
     paths[0].write_text(json.dumps(result, indent=1, default=str))
     if any(r["time_to_target_s"] is not None or r["status"].startswith("not reached") for r in result["rows"]):
         try:
-            plot(result["rows"], out / f"{stem}.png")
+            plot(result["rows"], out / f"{stem}.png", result["settings"].get("task", "shakespeare"))
             paths.append(out / f"{stem}.png")
         except ImportError:
             print("no plot: matplotlib is not installed")
