@@ -11,7 +11,11 @@ on, and a vision transformer.
   ``[B, 49, 64]``). The same data as ``fashion_mnist`` with another kind of model: what crosses a cut is a set of
   image tokens, not an MLP's features. Needs ``apt-get install dataset-fashion-mnist``.
 
-``register`` adds both tasks, their per-mode settings and their time estimates to ``quality.py``'s tables.
+* ``shakespeare_d256`` (opt-in: run only when named in ``--tasks``): the Shakespeare task at twice the width (d=256,
+  4 heads of 64, 4 blocks, the same data, cuts, optimizer and lengths): does the bottleneck's cost in capacity fall
+  when the same fraction of a wider stream crosses a cut?
+
+``register`` adds the tasks, their per-mode settings and their time estimates to ``quality.py``'s tables.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from _quality_tasks import MLP, Task, _char_transformer, _even_subset, _fashion_data, blocks_bottlenecks
+from _quality_tasks import TASKS, MLP, Task, _char_transformer, _even_subset, _fashion_data, blocks_bottlenecks
 from datasets import WORDNET_DIRS, CharWindowDataset, _SplitDataModule, find_wordnet_noun_file
 
 #: WordNet's data files, in the order their glosses are concatenated
@@ -153,21 +157,37 @@ MORE_TASKS: dict[str, Task] = {
         source="fashion_mnist", split_points=["blocks.1", "blocks.2", "blocks.3"], microbatches=4, batch_size=128,
         make_data=_fashion_data, make_model=lambda dm: FashionViT(), add_bottlenecks=blocks_bottlenecks,
         gradient_clip_val=1.0),
+    "shakespeare_d256": Task(
+        name="shakespeare_d256",
+        title="Shakespeare char-LM, transformer d=256 x 4 blocks, context 128, 4 stages",
+        metric="val_loss", metric_label="validation loss (held-out plays)", higher_is_better=False,
+        source="shakespeare", split_points=["blocks.1", "blocks.2", "blocks.3"], microbatches=8, batch_size=32,
+        make_data=TASKS["shakespeare"].make_data,
+        make_model=lambda dm: _char_transformer()(dm.vocab_size, block_size=128, d=256, heads=4, layers=4,
+                                                  dropout=0.0, lr=1e-3, warmup=20),
+        add_bottlenecks=blocks_bottlenecks, gradient_clip_val=1.0),
 }
+#: tasks quality.py runs only when named in --tasks
+OPT_IN_TASKS = ("shakespeare_d256",)
 #: per quality.py mode: steps, validation interval, train/eval subsets (the "standard" lengths are the longer runs
 #: issue #35 asks for: 480 steps of text, 2 epochs of Fashion-MNIST)
 MODE_SETTINGS: dict[str, dict[str, dict]] = {
     "tiny": {"wordnet_glosses": {"steps": 2, "val_every": 2, "limit": 128, "eval_samples": 64},
-             "fashion_vit": {"steps": 2, "val_every": 2, "limit": 512, "eval_samples": 500}},
+             "fashion_vit": {"steps": 2, "val_every": 2, "limit": 512, "eval_samples": 500},
+             "shakespeare_d256": {"steps": 2, "val_every": 2, "limit": 128, "eval_samples": 64}},
     "quick": {"wordnet_glosses": {"steps": 40, "val_every": 20, "limit": None, "eval_samples": 128},
-              "fashion_vit": {"steps": 120, "val_every": 40, "limit": None, "eval_samples": 2000}},
+              "fashion_vit": {"steps": 120, "val_every": 40, "limit": None, "eval_samples": 2000},
+              "shakespeare_d256": {"steps": 40, "val_every": 20, "limit": None, "eval_samples": 128}},
+    # shakespeare_d256 at the longer length of issue #35's Shakespeare runs (the standard 120 steps x 4)
     "standard": {"wordnet_glosses": {"steps": 480, "val_every": 60, "limit": None, "eval_samples": 256},
-                 "fashion_vit": {"steps": 860, "val_every": 172, "limit": None, "eval_samples": 2000}},
+                 "fashion_vit": {"steps": 860, "val_every": 172, "limit": None, "eval_samples": 2000},
+                 "shakespeare_d256": {"steps": 480, "val_every": 120, "limit": None, "eval_samples": 256}},
     "full": {"wordnet_glosses": {"steps": 960, "val_every": 120, "limit": None, "eval_samples": 512},
-             "fashion_vit": {"steps": 1720, "val_every": 172, "limit": None, "eval_samples": None}},
+             "fashion_vit": {"steps": 1720, "val_every": 172, "limit": None, "eval_samples": None},
+             "shakespeare_d256": {"steps": 600, "val_every": 60, "limit": None, "eval_samples": 512}},
 }
-STEP_SECONDS = {"wordnet_glosses": 0.4, "fashion_vit": 0.2}
-EVAL_SECONDS = {"wordnet_glosses": 0.005, "fashion_vit": 0.001}
+STEP_SECONDS = {"wordnet_glosses": 0.4, "fashion_vit": 0.2, "shakespeare_d256": 1.4}
+EVAL_SECONDS = {"wordnet_glosses": 0.005, "fashion_vit": 0.001, "shakespeare_d256": 0.015}
 
 
 #: what the two tasks run when ``--configs`` is unset: the reference, the mild codecs, and the bottleneck settings

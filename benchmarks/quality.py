@@ -86,7 +86,7 @@ import lightning as L  # noqa: E402
 
 import lightning_clapping  # noqa: E402
 from _quality_tasks import BOTTLENECK, FITTED, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
-from _more_tasks import register as register_more_tasks  # noqa: E402
+from _more_tasks import OPT_IN_TASKS, register as register_more_tasks  # noqa: E402
 from _residual_settings import OPT_IN_CONFIGS, RESIDUAL, RESIDUAL_CODECS, residual_bottlenecks  # noqa: E402
 
 STAGES = 4
@@ -493,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     size.add_argument("--standard", action="store_const", const="standard", dest="mode",
                       help="3 seeds, shorter runs than the full mode (what BENCHMARKS.md reports; ~50 min here)")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", default=[t for t in TASKS if t not in OPT_IN_TASKS], choices=list(TASKS))
     ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default: 3 full/standard, 1 quick/tiny)")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="run only these configurations, by label (e.g. uncompressed 'clapping-fu p=0.5 moderate')")

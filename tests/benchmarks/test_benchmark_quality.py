@@ -181,6 +181,26 @@ def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_s
     assert plans["full"]["runs"] == runs
 
 
+def test_the_wide_shakespeare_task_runs_only_when_named_and_at_the_long_runs_length():
+    code = (
+        "import json\n"
+        "import quality\n"
+        "default = quality.parse_args(['--standard'])\n"
+        "named = quality.parse_args(['--standard', '--tasks', 'shakespeare_d256', '--configs', 'uncompressed'])\n"
+        "plan = quality.build_plan(named)\n"
+        "print(json.dumps({'default': default.tasks, 'steps': sorted({c.steps for c in plan}),\n"
+        "                  'val_every': sorted({c.val_every for c in plan}), 'runs': len(plan)}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "shakespeare_d256" not in out["default"] and "shakespeare" in out["default"]
+    # the length of issue 35's Shakespeare runs (--standard --steps-scale 4): 480 steps, a validation every 120
+    assert (out["steps"], out["val_every"], out["runs"]) == ([480], [120], 3)
+
+
 def test_frontier_keeps_the_undominated_configurations_and_judges_the_20x_goal():
     from _quality_report import frontier
 
