@@ -50,6 +50,7 @@ from quality import Recorder, quiet  # noqa: E402
 
 TASKS = {**QUALITY_TASKS, **TIED_TASKS}
 SPARSE = "topk:0.05+q4"  # the 5 % largest of each tensor in 4 bits with their positions: 23.7x on a 32k x 256 tensor
+FC_Q4Q8 = {"variant": "clapping-fc", "forward_codec": "q4", "backward_codec": "q8"}  # Clapping-FC on the pipeline
 #: label -> ClappingStrategy arguments
 CONFIGS: dict[str, dict] = {
     "every-step": {},
@@ -64,40 +65,31 @@ CONFIGS: dict[str, dict] = {
     "diloco H=16 avg q4": {"replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4")},
     f"diloco H=8 {SPARSE}": {"replica_sync": DiLoCo(inner_steps=8, codec=SPARSE)},
     f"diloco H=16 {SPARSE}": {"replica_sync": DiLoCo(inner_steps=16, codec=SPARSE)},
-    "clapping-fc q4/q8 + diloco H=16 q4": {
-        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
-        "backward_codec": "q8"},
-    f"clapping-fc q4/q8 + diloco H=8 {SPARSE}": {
-        "replica_sync": DiLoCo(inner_steps=8, codec=SPARSE), "variant": "clapping-fc", "forward_codec": "q4",
-        "backward_codec": "q8"},
+    "clapping-fc q4/q8 + diloco H=16 q4": {"replica_sync": DiLoCo(inner_steps=16, codec="q4"), **FC_Q4Q8},
+    f"clapping-fc q4/q8 + diloco H=8 {SPARSE}": {"replica_sync": DiLoCo(inner_steps=8, codec=SPARSE), **FC_Q4Q8},
     # the sum of the tied copies' gradients compressed (shakespeare_tied): alone, under DiLoCo, under DiLoCo and
     # Clapping-FC (the settings whose bytes benchmarks/bytes_by_kind.py measures on a tied Llama)
     "every-step + tied q4": {"tied_codec": "q4"},
     "diloco H=16 q4 + tied q4": {"replica_sync": DiLoCo(inner_steps=16, codec="q4"), "tied_codec": "q4"},
     f"diloco H=16 q4 + tied {SPARSE}": {"replica_sync": DiLoCo(inner_steps=16, codec="q4"), "tied_codec": SPARSE},
     "clapping-fc q4/q8 + diloco H=16 q4 + tied q4": {
-        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
-        "backward_codec": "q8", "tied_codec": "q4"},
+        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), **FC_Q4Q8, "tied_codec": "q4"},
     f"clapping-fc q4/q8 + diloco H=16 q4 + tied {SPARSE}": {
-        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), "variant": "clapping-fc", "forward_codec": "q4",
-        "backward_codec": "q8", "tied_codec": SPARSE},
+        "replica_sync": DiLoCo(inner_steps=16, codec="q4"), **FC_Q4Q8, "tied_codec": SPARSE},
     "clapping-fc q4/q8 + diloco H=16 avg q4": {
-        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
-        "forward_codec": "q4", "backward_codec": "q8"},
+        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), **FC_Q4Q8},
     # shorter intervals, for the fine-tuning task (where H=16 loses 2 points in 64 steps)
     "clapping-fc q4/q8 + diloco H=8 avg q4": {
-        "replica_sync": DiLoCo(inner_steps=8, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
-        "forward_codec": "q4", "backward_codec": "q8"},
+        "replica_sync": DiLoCo(inner_steps=8, outer_lr=1.0, momentum=0.0, codec="q4"), **FC_Q4Q8},
     "clapping-fc q4/q8 + diloco H=4 avg q4": {
-        "replica_sync": DiLoCo(inner_steps=4, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
-        "forward_codec": "q4", "backward_codec": "q8"},
+        "replica_sync": DiLoCo(inner_steps=4, outer_lr=1.0, momentum=0.0, codec="q4"), **FC_Q4Q8},
     # the same two with plain averaging as the outer step (what holds on shakespeare_tied)
     "clapping-fc q4/q8 + diloco H=16 avg q4 + tied q4": {
-        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
-        "forward_codec": "q4", "backward_codec": "q8", "tied_codec": "q4"},
+        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), **FC_Q4Q8,
+        "tied_codec": "q4"},
     f"clapping-fc q4/q8 + diloco H=16 avg q4 + tied {SPARSE}": {
-        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), "variant": "clapping-fc",
-        "forward_codec": "q4", "backward_codec": "q8", "tied_codec": SPARSE},
+        "replica_sync": DiLoCo(inner_steps=16, outer_lr=1.0, momentum=0.0, codec="q4"), **FC_Q4Q8,
+        "tied_codec": SPARSE},
 }
 SPLITS = {"fashion_mnist": ["net.4"], "shakespeare": ["blocks.2"], "wordnet_minilm": ["encoder.encoder.layer.3"],
           "shakespeare_tied": ["blocks.2"], "shakespeare_untied_twin": ["blocks.2"]}

@@ -120,7 +120,8 @@ BASELINE = "every-step"
 DEFAULT_LINKS = ["10@25", "25@25", "100@25"]
 #: layout -> the site of each global rank (None: every rank its own site, every packet crosses the slow link)
 LAYOUTS: dict[str, tuple[int, ...] | None] = {"sites": (0, 0, 1, 1), "all-slow": None}
-AVG = {"outer_lr": 1.0, "momentum": 0.0}
+AVG = {"outer_lr": 1.0, "momentum": 0.0}  # DiLoCo with plain averaging as the outer step
+FC_Q4Q8 = {"variant": "clapping-fc", "forward_codec": "q4", "backward_codec": "q8"}  # Clapping-FC on the pipeline
 TINY = dict(links=["25@25"], inner_steps=2, steps=4, val_every=2, data_limit=256, eval_samples=64,
             settings=[BASELINE, "clapping-fc q4/q8 + diloco H=2 q4"])
 
@@ -133,13 +134,10 @@ def make_settings(h: int) -> dict[str, dict]:
         BASELINE: {},
         f"diloco H={h}": {"replica_sync": diloco},
         f"diloco H={h} q4": {"replica_sync": dict(diloco, codec="q4")},
-        f"clapping-fc q4/q8 + diloco H={h} q4": {"replica_sync": dict(diloco, codec="q4"), "variant": "clapping-fc",
-                                                  "forward_codec": "q4", "backward_codec": "q8"},
+        f"clapping-fc q4/q8 + diloco H={h} q4": {"replica_sync": dict(diloco, codec="q4"), **FC_Q4Q8},
         # plain averaging as the outer step (outer lr 1, no momentum), as replica_sync.py's "... avg q4"
         f"diloco H={h} avg q4": {"replica_sync": dict(diloco, codec="q4", **AVG)},
-        f"clapping-fc q4/q8 + diloco H={h} avg q4": {"replica_sync": dict(diloco, codec="q4", **AVG),
-                                                      "variant": "clapping-fc", "forward_codec": "q4",
-                                                      "backward_codec": "q8"},
+        f"clapping-fc q4/q8 + diloco H={h} avg q4": {"replica_sync": dict(diloco, codec="q4", **AVG), **FC_Q4Q8},
         # streaming DiLoCo's overlap: each sync's collective runs beside H/4 more inner steps
         f"diloco H={h} q4 overlap {h // 4}": {"replica_sync": dict(diloco, codec="q4", overlap=h // 4)},
         f"diloco H={h} avg q4 overlap {h // 4}": {"replica_sync": dict(diloco, codec="q4", overlap=h // 4, **AVG)},

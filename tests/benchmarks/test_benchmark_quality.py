@@ -153,8 +153,17 @@ def test_report_only_rebuilds_the_report_from_the_recorded_runs(tiny, tmp_path):
         assert again[key]["metric_mean"] == pytest.approx(sum(r["final_metric"] for r in runs) / len(runs))
 
 
+def _quality_json(code: str) -> dict:
+    """What ``code`` (run beside quality.py, in a subprocess: importing quality.py sets torch's thread count for the
+    whole process) prints as JSON on its last line."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_seeds():
-    # in a subprocess: importing quality.py sets torch's thread count for the whole process
     code = (
         "import json\n"
         "import quality\n"
@@ -166,11 +175,7 @@ def test_every_mode_plans_a_validation_at_the_last_step_and_standard_has_three_s
         "                      'last_step_validated': all(c.steps % c.val_every == 0 for c in plan)}\n"
         "print(json.dumps(out))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plans = json.loads(proc.stdout.strip().splitlines()[-1])
+    plans = _quality_json(code)
     assert all(p["last_step_validated"] for p in plans.values()), plans
     # the two tasks trained from scratch: uncompressed twice, then 7 per grid codec setting (direct, ef21, aqsgd, fc
     # and fu at 2 p), 28 frontier ones; the fine-tuning task: its 14 settings (quality.TASK_CONFIGS); the two tasks of
@@ -191,11 +196,7 @@ def test_the_wide_shakespeare_task_runs_only_when_named_and_at_the_long_runs_len
         "print(json.dumps({'default': default.tasks, 'steps': sorted({c.steps for c in plan}),\n"
         "                  'val_every': sorted({c.val_every for c in plan}), 'runs': len(plan)}))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _quality_json(code)
     assert "shakespeare_d256" not in out["default"] and "shakespeare" in out["default"]
     # the length of issue 35's Shakespeare runs (--standard --steps-scale 4): 480 steps, a validation every 120
     assert (out["steps"], out["val_every"], out["runs"]) == ([480], [120], 3)
