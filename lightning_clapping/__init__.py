@@ -13,6 +13,7 @@ from lightning_clapping.pipeline.bottleneck import Bottleneck, BottleneckAfter, 
 from lightning_clapping.pipeline.materialize import MaterializeError, building_on_meta, materialize_module
 from lightning_clapping.pipeline.partition import Partition, PartitionError, build_partition
 from lightning_clapping.pipeline.stage import SplitError
+from lightning_clapping.rank_scheduler import RankScheduler
 from lightning_clapping.strategy import ClappingStrategy
 from lightning_clapping.sync import LAG, DiLoCo
 
@@ -39,6 +40,7 @@ __all__ = [
     "MaterializeError",
     "Partition",
     "PartitionError",
+    "RankScheduler",
     "SplitError",
     "available_codecs",
     "building_on_meta",

@@ -48,6 +48,14 @@ training then grows a nonlinear code and a nonlinear reconstruction on top of th
 wholly in ``down`` and the decoder wholly in ``up``, so a cut between the halves still sends the ``rank`` values of
 the code per position and nothing else; the branches cost about ``2 * hidden * (features + rank)`` parameters per
 bottleneck and no bytes. ``fit_bottlenecks`` writes the identity path and starts both branches at zero output again.
+
+A plain bottleneck can code fewer than its ``rank`` values: ``set_code_width(n)`` makes ``down`` compute only its
+first ``n`` rows, so the cut carries ``n`` values per position (and the gradient coming back is ``n`` wide too), and
+``up`` reads as many of its columns as the code it receives has. The columns of ``up`` past ``n`` are set to zero, so
+the full-width forward and the narrowed one compute the same function: a model saved at any width runs the same in
+one process at its full rank. Columns that have never been in use get no gradient and stay at zero (the optimizers'
+state for them stays at zero too), so a code that widens later starts its new values at zero contribution and
+training grows them; :class:`~lightning_clapping.RankScheduler` widens every bottleneck at the steps it is given.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 INITS = ("projection", "rescaled")
 
@@ -95,6 +104,31 @@ class LowRankHalf(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+class CodeRows(nn.Linear):
+    """A plain bottleneck's ``down``: its first ``width`` rows (all of them unless the code was narrowed)."""
+
+    def __init__(self, features: int, rank: int) -> None:
+        super().__init__(features, rank, bias=False)
+        self.width = rank
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight if self.width == self.out_features else self.weight[: self.width])
+
+
+class CodeColumns(nn.Linear):
+    """A plain bottleneck's ``up``: as many of its first columns as the code it receives has values."""
+
+    def __init__(self, rank: int, features: int) -> None:
+        super().__init__(rank, features, bias=False)
+
+    def forward(self, code: Tensor) -> Tensor:
+        n = code.shape[-1]
+        if n > self.in_features:
+            raise ValueError(f"Bottleneck: the code has {n} values per position, more than the rank "
+                             f"{self.in_features} the bottleneck was built with")
+        return F.linear(code, self.weight if n == self.in_features else self.weight[:, :n])
+
+
 class Bottleneck(nn.Module):
     """``up(down(x))`` with ``down: features -> rank`` and ``up: rank -> features``: both linear without bias, or
     with ``residual=True`` each its linear map plus a learned branch ``hidden`` wide that starts at zero output."""
@@ -125,8 +159,8 @@ class Bottleneck(nn.Module):
             self.down: nn.Module = LowRankHalf(features, rank, self.hidden, normalize=True)
             self.up: nn.Module = LowRankHalf(rank, features, self.hidden, normalize=False)
         else:
-            self.down = nn.Linear(features, rank, bias=False)
-            self.up = nn.Linear(rank, features, bias=False)
+            self.down = CodeRows(features, rank)
+            self.up = CodeColumns(rank, features)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -140,6 +174,26 @@ class Bottleneck(nn.Module):
         if self.residual:
             self.down.reset_branch(fresh=True)
             self.up.reset_branch(fresh=True)
+        elif self.code_width < self.rank:
+            self.set_code_width(self.code_width)  # the columns out of use back at zero
+
+    @property
+    def code_width(self) -> int:
+        """How many values per position ``down`` computes and the cut carries: ``rank`` unless narrowed."""
+        return self.down.width if isinstance(self.down, CodeRows) else self.rank
+
+    def set_code_width(self, width: int) -> None:
+        """Code ``width`` values per position (``1 <= width <= rank``); ``up``'s columns past it are set to zero."""
+        if self.residual:
+            raise ValueError("Bottleneck: a residual bottleneck's encoder always codes all of its rank; narrow the "
+                             "code of a plain one (residual=False)")
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= self.rank:
+            raise ValueError(f"Bottleneck({self.features}, {self.rank}): the code width must be an integer from 1 to "
+                             f"the rank {self.rank}, got {width!r}")
+        self.down.width = width
+        if not self.up.weight.is_meta:
+            with torch.no_grad():
+                self.up.weight[:, width:] = 0
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.features:
@@ -151,6 +205,7 @@ class Bottleneck(nn.Module):
 
     def extra_repr(self) -> str:
         extra = f", residual=True, hidden={self.hidden}" if self.residual else ""
+        extra += f", code_width={self.code_width}" if self.code_width < self.rank else ""
         return f"features={self.features}, rank={self.rank}, init={self.init!r}{extra}"
 
 
@@ -283,6 +338,8 @@ def set_directions(bottleneck: Bottleneck, top: Tensor) -> None:
                 half.weight.copy_(value)
                 if isinstance(half, LowRankHalf):
                     half.reset_branch()
+        if bottleneck.code_width < bottleneck.rank:
+            bottleneck.set_code_width(bottleneck.code_width)  # a narrowed code: up's unused columns stay at zero
 
 
 def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],

@@ -1,9 +1,10 @@
 """A model with a trainable boundary bottleneck, trained on 2 stages cut at it, or in one process.
 
-python bottleneck_run.py OUT MODE      MODE: single | pipe | pipe_after
+python bottleneck_run.py OUT MODE      MODE: single | pipe | pipe_after | single_grow | pipe_grow | pipe_narrow
 
 The model is an MLP with ``Bottleneck(32, 4)`` between two hidden layers; the pipeline's split point names the
-Bottleneck. 4 steps of SGD; rank 0 writes OUT/bottleneck_MODE.json (losses, byte totals), OUT/bottleneck_MODE.pt
+Bottleneck. ``*_grow``: a ``RankScheduler`` codes 2 values per position for 2 steps, then all 4 (``GROW``);
+``pipe_narrow``: 2 values throughout. 4 steps of SGD; rank 0 writes OUT/bottleneck_MODE.json (losses, byte totals), OUT/bottleneck_MODE.pt
 (final weights) and OUT/bottleneck_MODE.ckpt (the Trainer's checkpoint).
 """
 
@@ -17,9 +18,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_clapping import Bottleneck, ClappingStrategy
+from lightning_clapping import Bottleneck, ClappingStrategy, RankScheduler
 
 BATCH, RANK = 8, 4
+GROW = {0: 2, 2: RANK}  # the code's width by step in the *_grow runs
 
 
 class BottleneckMLP(L.LightningModule):
@@ -54,12 +56,14 @@ def main(out: Path, mode: str) -> None:
     L.seed_everything(0, verbose=False)
     model = BottleneckMLP()
     if mode.startswith("pipe"):
-        cut = "net.2" if mode == "pipe" else "net.3"
+        cut = "net.3" if mode == "pipe_after" else "net.2"
         strategy, devices = ClappingStrategy(split_points=[cut], microbatches=2), 2
     else:
         strategy, devices = "auto", 1
+    schedule = {"grow": [RankScheduler(GROW)], "narrow": [RankScheduler({0: 2})]}.get(mode.rpartition("_")[2], [])
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=schedule)
     trainer.fit(model, data())
     trainer.save_checkpoint(out / f"bottleneck_{mode}.ckpt")
     totals = trainer.strategy.byte_totals if mode.startswith("pipe") else {}

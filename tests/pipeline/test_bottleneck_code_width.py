@@ -1,0 +1,124 @@
+"""A bottleneck's code narrowed below its rank, and RankScheduler widening it as training goes: the cut carries the
+scheduled width, the pipeline trains as one process does, and the model's function never depends on the width."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from conftest import launch_forked
+from lightning_clapping import Bottleneck, RankScheduler
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("code_width")
+    for mode, ranks in (("single_grow", 1), ("pipe_grow", 2), ("pipe_narrow", 2)):
+        launch_forked("bottleneck_run.py", str(out), mode, ranks=ranks, cwd=out)
+    return out
+
+
+def test_a_narrowed_code_has_its_width_and_the_full_rank_computes_the_same_function():
+    torch.manual_seed(0)
+    b, x = Bottleneck(16, 6), torch.randn(3, 5, 16)
+    b.set_code_width(2)
+    assert b.down(x).shape == (3, 5, 2) and b.code_width == 2 and "code_width=2" in repr(b)
+    assert torch.count_nonzero(b.up.weight[:, 2:]) == 0
+    full = Bottleneck(16, 6)
+    full.load_state_dict(b.state_dict())  # a checkpoint saved narrowed, loaded at the full rank
+    assert full.code_width == 6
+    torch.testing.assert_close(full(x), b(x), rtol=0, atol=1e-6)
+    torch.testing.assert_close(b(x), b.down(x) @ b.up.weight[:, :2].t(), rtol=0, atol=1e-6)
+
+
+def test_a_widening_code_adds_values_at_zero_contribution_that_training_then_grows():
+    torch.manual_seed(0)
+    b, x = Bottleneck(16, 6), torch.randn(32, 16)
+    b.set_code_width(2)
+    rows = b.down.weight[2:].clone()
+    opt = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for _ in range(3):  # steps at width 2: the weights out of use get no gradient and stay where they were
+        opt.zero_grad()
+        (b(x) - x).square().mean().backward()
+        opt.step()
+    assert torch.count_nonzero(b.up.weight[:, 2:]) == 0
+    torch.testing.assert_close(b.down.weight[2:], rows, rtol=0, atol=1e-3)  # only AdamW's weight decay
+    before = b(x)
+    b.set_code_width(6)
+    torch.testing.assert_close(b(x), before, rtol=0, atol=1e-6)  # no jump at the change (rounding only)
+    opt.zero_grad()
+    (b(x) - x).square().mean().backward()
+    opt.step()
+    assert torch.count_nonzero(b.up.weight[:, 2:]) > 0
+
+
+def test_a_code_width_outside_1_to_the_rank_or_on_a_residual_bottleneck_is_refused():
+    b = Bottleneck(16, 4)
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ValueError, match="code width must be an integer from 1 to the rank 4"):
+            b.set_code_width(bad)
+    with pytest.raises(ValueError, match="residual bottleneck"):
+        Bottleneck(16, 4, residual=True).set_code_width(2)
+    with pytest.raises(ValueError, match="more than the rank 4"):
+        b.up(torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("bad, words", [({}, "width for step 0"), ({3: 8}, "width for step 0"), ([(0, 4)], "dict"),
+                                        ({0: 4, -1: 8}, "integers >= 0"), ({0: 0}, "integer >= 1"),
+                                        ({0: 4, 2: 2.5}, "integer >= 1"), ({0: 8, 5: 4}, "only widen")])
+def test_a_schedule_is_checked_when_built(bad, words):
+    with pytest.raises(ValueError, match=words):
+        RankScheduler(bad)
+
+
+class _Bottlenecked(L.LightningModule):
+    def __init__(self, residual: bool = False, rank: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), Bottleneck(16, rank, residual=residual), nn.Linear(16, 2))
+
+
+def test_a_model_the_schedule_does_not_fit_is_refused_when_training_starts():
+    for module, words in ((L.LightningModule(), "holds no Bottleneck"), (_Bottlenecked(residual=True), "residual"),
+                          (_Bottlenecked(rank=3), "wider than net.1's rank 3")):
+        with pytest.raises(ValueError, match=words):
+            RankScheduler({0: 2, 4: 4}).setup(None, module, "fit")
+
+
+def test_every_bottleneck_takes_the_width_of_the_step_so_a_resumed_run_takes_its_own():
+    model, sched = _Bottlenecked(), RankScheduler({0: 1, 3: 2, 6: 4})
+    sched.setup(None, model, "fit")
+    for step, width in ((0, 1), (2, 1), (3, 2), (5, 2), (6, 4), (100, 4), (4, 2)):  # (4, 2): a run resumed at step 4
+        sched.on_train_batch_start(SimpleNamespace(global_step=step), model, None, 0)
+        assert model.net[1].code_width == width, step
+
+
+def test_a_growing_code_trains_on_stages_as_in_one_process(runs):
+    single = json.loads((runs / "bottleneck_single_grow.json").read_text())
+    pipe = json.loads((runs / "bottleneck_pipe_grow.json").read_text())
+    assert len(pipe["losses"]) == 4 and pipe["losses"] == pytest.approx(single["losses"], rel=0, abs=1e-5)
+    a, b = torch.load(runs / "bottleneck_single_grow.pt"), torch.load(runs / "bottleneck_pipe_grow.pt")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    assert torch.count_nonzero(b["net.2.up.weight"][:, 2:]) > 0  # the widened values were trained
+
+
+def test_the_wire_carries_the_scheduled_width(runs):
+    from bottleneck_run import BATCH, GROW, RANK
+
+    grow = json.loads((runs / "bottleneck_pipe_grow.json").read_text())["totals"]
+    narrow = json.loads((runs / "bottleneck_pipe_narrow.json").read_text())["totals"]
+    # 2 values per position throughout against 2 for GROW's first steps, then RANK: the steps after the change carry
+    # RANK - 2 more fp32 values per row, forward and back; on the wire also the messages that tell the receivers
+    # their buffers grow (counted with the bytes sent)
+    wider = (4 - max(GROW)) * 2 * BATCH * (RANK - 2) * 4
+    assert grow["raw_bytes"] - narrow["raw_bytes"] == wider
+    assert grow["bytes"] - narrow["bytes"] >= wider
