@@ -1,23 +1,36 @@
-"""The residual bottleneck's settings in ``quality.py`` (the longer-run study of the bottleneck's cost, BENCHMARKS.md):
-``Bottleneck(..., residual=True)``, a learned encoder and decoder around the same low-rank identity path, the same
-code on the wire, at width / 8 and / 16 with codecs on its code, alone, and with one bit per value on the code under
-Clapping-FC's error feedback. They run only where ``--configs`` names them::
+"""The bottleneck's variants in ``quality.py`` (the longer-run study of the bottleneck's cost, BENCHMARKS.md). They
+run only where ``--configs`` names them::
 
     python benchmarks/quality.py --standard --tasks shakespeare --steps-scale 4 --val-every 60 \\
         --configs uncompressed "direct bn8 q8" "direct bn8 residual q8" --out benchmarks/results/frontier_long
+
+* The residual bottleneck: ``Bottleneck(..., residual=True)``, a learned encoder and decoder around the same low-rank
+  identity path, the same code on the wire, at width / 8 and / 16 with codecs on its code, alone, and with one bit
+  per value on the code under Clapping-FC's error feedback.
+* A code that widens (``lightning_clapping.RankScheduler``): ``bn8-to-bn2 moderate`` is a ``Bottleneck(w, w / 2)``
+  at every cut that codes w / 8 values per position until 70 % of the steps, then all w / 2 of its rank (q4 forward,
+  q8 backward on the code); ``bn8-to-bn4 moderate`` a ``Bottleneck(w, w / 4)`` coding w / 8 for the first half.
+* A start fitted to the data when training from scratch: ``bn4 fitted moderate`` is ``bn4 moderate`` whose
+  bottlenecks start from the principal directions of what reaches them at initialisation (``fit_bottlenecks`` on the
+  run's first training batches, as the fine-tuning task's ``pca`` starts).
 """
 
 from __future__ import annotations
 
 import torch
 
+import lightning_clapping
+
 #: codec setting -> (forward codec, backward codec, fresh codec), as quality.py's CODEC_SETTINGS
-RESIDUAL_CODECS: dict[str, tuple[str | None, str | None, str | None]] = {
+VARIANT_CODECS: dict[str, tuple[str | None, str | None, str | None]] = {
     "bn8 residual": (None, None, None),
     "bn8 residual q8": ("q8", "q8", None),
     "bn16 residual q8": ("q8", "q8", None),
     "bn16 residual moderate": ("q4", "q8", None),
     "bn8 residual q1": ("q1", "q1", None),
+    "bn8-to-bn2 moderate": ("q4", "q8", None),
+    "bn8-to-bn4 moderate": ("q4", "q8", None),
+    "bn4 fitted moderate": ("q4", "q8", None),
 }
 #: codec settings whose Bottleneck at every cut is the residual one: (width divisor, init) as in _quality_tasks'
 #: BOTTLENECK, which holds them too (the report marks them as model changes); see residual_bottlenecks
@@ -28,6 +41,16 @@ RESIDUAL: dict[str, tuple[int, str]] = {
     "bn16 residual moderate": (16, "projection"),
     "bn8 residual q1": (8, "projection"),
 }
+#: codec settings whose code widens: (width divisor of the Bottleneck, width divisor of the code before the change,
+#: fraction of the steps from which the code is the full rank)
+WIDENING: dict[str, tuple[int, int, float]] = {
+    "bn8-to-bn2 moderate": (2, 8, 0.7),
+    "bn8-to-bn4 moderate": (4, 8, 0.5),
+}
+#: every variant's Bottleneck: (width divisor, init) for _quality_tasks' BOTTLENECK
+VARIANT_BOTTLENECKS: dict[str, tuple[int, str]] = {
+    **RESIDUAL, **{setting: (divisor, "projection") for setting, (divisor, _, _) in WIDENING.items()},
+    "bn4 fitted moderate": (4, "pca")}  # "pca": quality.py fits it (_quality_tasks.fit_to_data)
 #: (variant, p, codec setting) of the opt-in frontier configurations
 OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("uncompressed", 1.0, "bn8 residual"),
@@ -35,7 +58,29 @@ OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn16 residual q8"),
     ("direct", 1.0, "bn16 residual moderate"),
     ("clapping-fc", 0.5, "bn8 residual q1"),
+    ("direct", 1.0, "bn8-to-bn2 moderate"),
+    ("direct", 1.0, "bn8-to-bn4 moderate"),
+    ("direct", 1.0, "bn4 fitted moderate"),
 ]
+
+
+def variant_model(setting: str, model: torch.nn.Module) -> None:
+    """The model of a variant setting, changed in place (its plain bottlenecks already inserted)."""
+    if setting in RESIDUAL:
+        residual_bottlenecks(model)
+
+
+def variant_callbacks(setting: str, model: torch.nn.Module, steps: int) -> list[lightning_clapping.RankScheduler]:
+    """A widening setting's ``RankScheduler`` for a run of ``steps`` (none for other settings): the code's width
+    first the model's width / the setting's earlier divisor, the full rank from its fraction of the steps."""
+    if setting not in WIDENING:
+        return []
+    _, before, fraction = WIDENING[setting]
+    features = {m.features for m in model.modules() if isinstance(m, lightning_clapping.Bottleneck)}
+    if len(features) != 1:
+        raise ValueError(f"{setting}: the bottlenecks must share one width to share a schedule, got {features}")
+    rank = max(m.rank for m in model.modules() if isinstance(m, lightning_clapping.Bottleneck))
+    return [lightning_clapping.RankScheduler({0: features.pop() // before, round(fraction * steps): rank})]
 
 
 def residual_bottlenecks(model: torch.nn.Module) -> None:

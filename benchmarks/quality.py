@@ -37,7 +37,8 @@ of width / 4, / 3 or / 2 started from the principal directions of what reaches e
 alone and with codecs. Only where ``--configs`` names them (``OPT_IN_CONFIGS``): the residual bottleneck
 (``Bottleneck(..., residual=True)``: a learned encoder and decoder around the same low-rank identity path, the same
 code on the wire) at width / 8 alone, with q8 both ways (``bn8 residual q8``), at / 16 with q8 or q4/q8, and at / 8
-with one bit per value on the code under Clapping-FC. The report draws the bytes-quality frontier of every
+with one bit per value on the code under Clapping-FC; and codes that widen as training goes (``RankScheduler``,
+``bn8-to-bn2 moderate``: ``_bottleneck_variants.py``). The report draws the bytes-quality frontier of every
 configuration and judges the 20x goal (within 1 point / 2 %) for each.
 
 ``uncompressed`` (no codec; plus ``uncompressed p=0.5``: lazy sampling alone, to tell the cost of reusing batches
@@ -87,7 +88,8 @@ import lightning as L  # noqa: E402
 import lightning_clapping  # noqa: E402
 from _quality_tasks import BOTTLENECK, FITTED, P_SCHEDULED, SCHEDULED, TASKS, fit_to_data  # noqa: E402
 from _more_tasks import OPT_IN_TASKS, register as register_more_tasks  # noqa: E402
-from _residual_settings import OPT_IN_CONFIGS, RESIDUAL, RESIDUAL_CODECS, residual_bottlenecks  # noqa: E402
+from _bottleneck_variants import (OPT_IN_CONFIGS, VARIANT_BOTTLENECKS, VARIANT_CODECS, variant_callbacks,  # noqa: E402
+                                  variant_model)
 
 STAGES = 4
 #: codec setting -> (forward codec, backward codec, codec of fresh-step messages or None); the first two form the
@@ -126,8 +128,8 @@ CODEC_SETTINGS: dict[str, tuple[str, str, str | None]] = {
 }
 # lazy sampling's p scheduled over training (P_SCHEDULED in _quality_tasks): the codecs of the setting each one holds
 CODEC_SETTINGS.update({name: CODEC_SETTINGS[held] for name, (held, _, _) in P_SCHEDULED.items()})
-CODEC_SETTINGS.update(RESIDUAL_CODECS)  # the residual bottleneck's settings (_residual_settings.py)
-BOTTLENECK.update(RESIDUAL)
+CODEC_SETTINGS.update(VARIANT_CODECS)  # the bottleneck's residual and widening variants (_bottleneck_variants.py)
+BOTTLENECK.update(VARIANT_BOTTLENECKS)
 GRID_SETTINGS = ("moderate", "aggressive")
 SMALL_P = 0.25
 
@@ -190,7 +192,7 @@ FINE_TUNING_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn3 pca-tokens q4"),
 ]
 FRONTIER_CONFIGS += FINE_TUNING_CONFIGS
-FRONTIER_CONFIGS += OPT_IN_CONFIGS  # run only where --configs names them (_residual_settings.py)
+FRONTIER_CONFIGS += OPT_IN_CONFIGS  # run only where --configs names them (_bottleneck_variants.py)
 OPT_IN = {config_label(*config) for config in OPT_IN_CONFIGS}
 #: configuration label -> the only task that runs it
 ONLY_FOR: dict[str, str] = {config_label(*config): "wordnet_minilm" for config in FINE_TUNING_CONFIGS}
@@ -416,8 +418,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     model, split_points = task.make_model(dm), task.split_points
     if cfg.setting in BOTTLENECK:
         model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
-        if cfg.setting in RESIDUAL:
-            residual_bottlenecks(model)
+        variant_model(cfg.setting, model)
         if BOTTLENECK[cfg.setting][1] in FITTED:
             fit_to_data(task, model, dm, BOTTLENECK[cfg.setting][1])
     p: float | dict[int, float] = cfg.p
@@ -436,7 +437,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
         val_check_interval=cfg.val_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         gradient_clip_val=task.gradient_clip_val, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[recorder] + scheduler(cfg))
+        callbacks=[recorder] + scheduler(cfg) + variant_callbacks(cfg.setting, model, cfg.steps))
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data)
     wall = time.perf_counter() - t0
