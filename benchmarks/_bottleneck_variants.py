@@ -10,6 +10,11 @@ run only where ``--configs`` names them::
 * A code that widens (``lightning_clapping.RankScheduler``): ``bn8-to-bn2 moderate`` is a ``Bottleneck(w, w / 2)``
   at every cut that codes w / 8 values per position until 70 % of the steps, then all w / 2 of its rank (q4 forward,
   q8 backward on the code); ``bn8-to-bn4 moderate`` a ``Bottleneck(w, w / 4)`` coding w / 8 for the first half.
+* Ranks chosen per cut from the measured energy (``bn4 energy moderate``): the same number of values per position
+  over the cuts as ``bn4`` (3 x w / 4 for 3 cuts), shared out in proportion to how many directions keep 95 % of the
+  energy at each cut at the end of the uncompressed run (``cut_energy.py``, ``results/cut_energy.json``).
+* Two bits per value both ways on the code of ``bn4`` (``bn4 q2``), plain and under Clapping-FC's error feedback
+  with lazy sampling at p = 0.5.
 * A start fitted to the data when training from scratch: ``bn4 fitted moderate`` is ``bn4 moderate`` whose
   bottlenecks start from the principal directions of what reaches them at initialisation (``fit_bottlenecks`` on the
   run's first training batches, as the fine-tuning task's ``pca`` starts).
@@ -17,9 +22,14 @@ run only where ``--configs`` names them::
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 import lightning_clapping
+
+ENERGY = Path(__file__).resolve().parent / "results" / "cut_energy.json"
 
 #: codec setting -> (forward codec, backward codec, fresh codec), as quality.py's CODEC_SETTINGS
 VARIANT_CODECS: dict[str, tuple[str | None, str | None, str | None]] = {
@@ -31,6 +41,8 @@ VARIANT_CODECS: dict[str, tuple[str | None, str | None, str | None]] = {
     "bn8-to-bn2 moderate": ("q4", "q8", None),
     "bn8-to-bn4 moderate": ("q4", "q8", None),
     "bn4 fitted moderate": ("q4", "q8", None),
+    "bn4 q2": ("q2", "q2", None),
+    "bn4 energy moderate": ("q4", "q8", None),
 }
 #: codec settings whose Bottleneck at every cut is the residual one: (width divisor, init) as in _quality_tasks'
 #: BOTTLENECK, which holds them too (the report marks them as model changes); see residual_bottlenecks
@@ -50,7 +62,7 @@ WIDENING: dict[str, tuple[int, int, float]] = {
 #: every variant's Bottleneck: (width divisor, init) for _quality_tasks' BOTTLENECK
 VARIANT_BOTTLENECKS: dict[str, tuple[int, str]] = {
     **RESIDUAL, **{setting: (divisor, "projection") for setting, (divisor, _, _) in WIDENING.items()},
-    "bn4 fitted moderate": (4, "pca")}  # "pca": quality.py fits it (_quality_tasks.fit_to_data)
+    "bn4 fitted moderate": (4, "pca"), "bn4 q2": (4, "projection"), "bn4 energy moderate": (4, "projection")}  # "pca": quality.py fits it (_quality_tasks.fit_to_data)
 #: (variant, p, codec setting) of the opt-in frontier configurations
 OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("uncompressed", 1.0, "bn8 residual"),
@@ -61,13 +73,42 @@ OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn8-to-bn2 moderate"),
     ("direct", 1.0, "bn8-to-bn4 moderate"),
     ("direct", 1.0, "bn4 fitted moderate"),
+    ("direct", 1.0, "bn4 q2"),
+    ("clapping-fc", 0.5, "bn4 q2"),
+    ("direct", 1.0, "bn4 energy moderate"),
 ]
 
 
-def variant_model(setting: str, model: torch.nn.Module) -> None:
+def variant_model(setting: str, model: torch.nn.Module, task: str) -> None:
     """The model of a variant setting, changed in place (its plain bottlenecks already inserted)."""
     if setting in RESIDUAL:
         residual_bottlenecks(model)
+    if setting == "bn4 energy moderate":
+        end = json.loads(ENERGY.read_text())[task]["points"][-1]["cuts"]
+        found = bottlenecks(model)
+        ranks = shared_out(sum(b.rank for _, b in found), [cut["directions"]["95 %"] for cut in end.values()])
+        replace(model, [(name, lightning_clapping.Bottleneck(b.features, r, b.init)) for (name, b), r in
+                        zip(found, ranks, strict=True)])
+
+
+def shared_out(total: int, weights: list[int]) -> list[int]:
+    """``total`` shared out in proportion to ``weights`` (largest remainders first; at least 1 each)."""
+    exact = [total * w / sum(weights) for w in weights]
+    out = [max(1, int(x)) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - int(exact[i]), reverse=True)[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def bottlenecks(model: torch.nn.Module) -> list[tuple[str, lightning_clapping.Bottleneck]]:
+    """The model's bottlenecks in the order the forward reaches the cuts (the order they were inserted)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, lightning_clapping.Bottleneck)]
+
+
+def replace(model: torch.nn.Module, new: list[tuple[str, torch.nn.Module]]) -> None:
+    for name, module in new:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 def variant_callbacks(setting: str, model: torch.nn.Module, steps: int) -> list[lightning_clapping.RankScheduler]:
@@ -89,10 +130,9 @@ def residual_bottlenecks(model: torch.nn.Module) -> None:
     decoder branches (started at zero output) can then learn a nonlinear code."""
     from lightning_clapping import Bottleneck
 
-    for name, old in [(n, m) for n, m in model.named_modules() if isinstance(m, Bottleneck) and not m.residual]:
+    for name, old in [(n, m) for n, m in bottlenecks(model) if not m.residual]:
         new = Bottleneck(old.features, old.rank, old.init, residual=True)
         with torch.no_grad():
             new.down.weight.copy_(old.down.weight)
             new.up.weight.copy_(old.up.weight)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        replace(model, [(name, new)])

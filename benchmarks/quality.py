@@ -418,7 +418,7 @@ def run_one(cfg: RunConfig, timeout_min: float) -> dict | None:
     model, split_points = task.make_model(dm), task.split_points
     if cfg.setting in BOTTLENECK:
         model, split_points = task.add_bottlenecks(model, *BOTTLENECK[cfg.setting])
-        variant_model(cfg.setting, model)
+        variant_model(cfg.setting, model, cfg.task)
         if BOTTLENECK[cfg.setting][1] in FITTED:
             fit_to_data(task, model, dm, BOTTLENECK[cfg.setting][1])
     p: float | dict[int, float] = cfg.p

@@ -67,3 +67,15 @@ def test_cut_energy_records_every_cut_at_step_0_and_each_point(tmp_path):
         for s in point["cuts"].values():
             kept = list(s["kept"].values())
             assert kept == sorted(kept) and 0 < kept[0] and kept[-1] <= 1 + 1e-9 and len(s["eigenvalues"]) == 128
+
+
+def test_the_energy_ranks_share_out_the_uniform_budget_in_proportion_to_each_cut_s_directions():
+    from _bottleneck_variants import shared_out, variant_model
+
+    assert shared_out(96, [77, 67, 53]) == [37, 33, 26] and shared_out(96, [1, 1, 1]) == [32, 32, 32]
+    assert sum(shared_out(72, [61, 51, 40])) == 72 and shared_out(10, [100, 1]) == [9, 1]
+    model = torch.nn.Sequential(Bottleneck(128, 32), torch.nn.Linear(128, 128), Bottleneck(128, 32),
+                                torch.nn.Linear(128, 128), Bottleneck(128, 32))
+    variant_model("bn4 energy moderate", model, "shakespeare")  # from the committed results/cut_energy.json
+    ranks = [m.rank for m in model if isinstance(m, Bottleneck)]
+    assert sum(ranks) == 96 and ranks == sorted(ranks, reverse=True) and ranks[0] > ranks[-1]
