@@ -8,6 +8,13 @@ measured there (variant, lazy-sampling p, forward / backward / fresh-step codecs
 quality deficit against uncompressed training (accuracy points lost, or % added to the validation loss: what
 BENCHMARKS calls the deficit), its byte ratio, its number of seeds and whether it lies on that task's frontier. Run it
 whenever quality.json changes; tests/autotune/test_autotune.py fails while the two disagree.
+
+``longer_runs`` quotes the runs the table's short tasks do not cover (``LONGER``: Shakespeare at 480 steps, a character
+LM of WordNet's glosses at 480 and a vision transformer on Fashion-MNIST at 860; BENCHMARKS "The bottleneck over
+longer runs" and "Two tasks the frontier was not tuned on"): every setting measured there, model changes included, its
+deficit and byte ratio per task, its worst task, and the cross-task result (the setting with the most bytes saved
+within the tolerance on every one of those tasks, and the best model change by its worst task). The frontier rule
+also refuses a codec setting that a longer run measured outside the tolerance.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightning_clapping.autotune.frontier import DEFAULT_QUALITY_TOLERANCE  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "quality.json"
 TABLE = ROOT / "lightning_clapping" / "autotune" / "frontier.json"
 FORMAT = 1
@@ -26,10 +37,59 @@ FORMAT = 1
 #: measured it, so a task measured on a few settings (wordnet_minilm: fine-tuning a pretrained model, a subset of the
 #: grid) would leave autotune only those; its numbers are in BENCHMARKS section 1, not in the table.
 TABLE_TASKS = ("fashion_mnist", "shakespeare")
+#: the longer runs' tasks and the results file (under benchmarks/results) that holds each
+LONGER = {"shakespeare": "frontier_long/quality.json", "wordnet_glosses": "more_tasks/quality.json",
+          "fashion_vit": "more_tasks/quality.json"}
+#: the tolerance the cross-task result is judged at (BENCHMARKS' and autotune's default)
+TOLERANCE = DEFAULT_QUALITY_TOLERANCE
 
 
-def build(results: dict[str, Any]) -> dict[str, Any]:
-    """The table for ``results`` (the parsed quality.json): plain JSON values, settings in the results' order."""
+def load_longer() -> dict[str, dict[str, Any]]:
+    """The parsed results files of the longer runs, by their path in ``LONGER``."""
+    return {rel: json.loads((RESULTS.parent / rel).read_text()) for rel in sorted(set(LONGER.values()))}
+
+
+def longer_runs(sources: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``longer_runs`` section from the parsed results files ``sources`` (by their path in ``LONGER``)."""
+    tasks: dict[str, Any] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for task, rel in LONGER.items():
+        found = [a for a in sources[rel]["aggregates"] if a["task"] == task]
+        if not found:
+            continue
+        tasks[task] = {"unit": sources[rel]["frontier"][task]["unit"], "steps": found[0]["steps"],
+                       "source": f"benchmarks/results/{rel}"}
+        for a in found:
+            if a["fwd"] is None and a["bwd"] is None and not a.get("model_change"):
+                continue  # the reference
+            row = rows.setdefault(a["label"], {"config": a["label"], "model_change": bool(a.get("model_change")),
+                                               "deficit": {}, "bytes_ratio": {}, "seeds": {}})
+            row["deficit"][task] = float(a["deficit_vs_uncompressed"])
+            row["bytes_ratio"][task] = float(a["bytes_ratio"])
+            row["seeds"][task] = int(a["seeds"])
+    for row in rows.values():
+        over = {t: d / TOLERANCE[tasks[t]["unit"]] for t, d in row["deficit"].items()}
+        row["worst_task"] = max(over, key=over.__getitem__)
+        row["within_tolerance"] = max(over.values()) <= 1.0
+        row["on_every_task"] = set(row["deficit"]) == set(tasks)
+    everywhere = [r for r in rows.values() if r["on_every_task"]]
+    kept = [r for r in everywhere if r["within_tolerance"]]
+    changes = [r for r in everywhere if r["model_change"]]
+    return {
+        "tasks": tasks,
+        "tolerance": TOLERANCE,
+        "most_saved_within_tolerance_on_every_task": max(kept, key=lambda r: min(r["bytes_ratio"].values()),
+                                                         default={"config": None})["config"],
+        "best_model_change_by_its_worst_task": min(
+            changes, key=lambda r: r["deficit"][r["worst_task"]] / TOLERANCE[tasks[r["worst_task"]]["unit"]],
+            default={"config": None})["config"],
+        "settings": sorted(rows.values(), key=lambda r: r["config"]),
+    }
+
+
+def build(results: dict[str, Any], longer: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The table for ``results`` (the parsed quality.json) and the longer runs' results files (``load_longer()``;
+    none: no ``longer_runs`` section): plain JSON values, settings in the results' order."""
     tasks = {}
     for task, front in results["frontier"].items():
         if task not in TABLE_TASKS:
@@ -66,6 +126,7 @@ def build(results: dict[str, Any]) -> dict[str, Any]:
         if (task, config) in on_frontier:
             row["frontier"].append(task)
     order = {name: i for i, name in enumerate(results.get("config_order", []))}
+    extra = {} if longer is None else {"longer_runs": longer_runs(longer)}
     return {
         "format": FORMAT,
         "about": "published quality per setting, read by autotune's frontier rule; written by "
@@ -74,6 +135,7 @@ def build(results: dict[str, Any]) -> dict[str, Any]:
         "mode": results["mode"],
         "tasks": tasks,
         "settings": sorted(rows.values(), key=lambda r: (order.get(r["config"], len(order)), r["config"])),
+        **extra,
     }
 
 
@@ -87,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=TABLE)
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the table is stale")
     args = parser.parse_args(argv)
-    text = render(build(json.loads(args.results.read_text())))
+    text = render(build(json.loads(args.results.read_text()), load_longer()))
     if args.check:
         same = args.out.is_file() and args.out.read_text() == text
         print(f"{args.out}: {'up to date' if same else 'stale: run python benchmarks/frontier_table.py'}")

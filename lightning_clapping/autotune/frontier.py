@@ -8,8 +8,9 @@ to the validation loss (unit ``"%"``); negative is better.
 
 :func:`admissible` gives the settings a run may switch to: those of the run's variant and lazy-sampling p, measured
 on every task of the table, whose deficit on each task is within the tolerance for its unit (default
-:data:`DEFAULT_QUALITY_TOLERANCE`: 1 accuracy point, 2 % validation loss, BENCHMARKS' tolerance). Autotune
-(:func:`lightning_clapping.autotune.choose.choose`, ``frontier=``) prices them with its timing model, and
+:data:`DEFAULT_QUALITY_TOLERANCE`: 1 accuracy point, 2 % validation loss, BENCHMARKS' tolerance), and which no
+longer run quoted in the table's ``longer_runs`` (more steps, tasks the table does not hold) measured outside it.
+Autotune (:func:`lightning_clapping.autotune.choose.choose`, ``frontier=``) prices them with its timing model, and
 :func:`frontier_rule` takes one only when the links need it (the rule is stated in
 :mod:`lightning_clapping.autotune.choose`).
 """
@@ -81,6 +82,14 @@ def admissible(variant: str, p: float, tolerance: Mapping[str, float] | None = N
     table = load_table() if table is None else table
     tol = check_tolerance(tolerance, table)
     units = {task: info["unit"] for task, info in table["tasks"].items()}
+    longer = table.get("longer_runs", {"tasks": {}, "settings": []})
+    longer_units = {task: info["unit"] for task, info in longer["tasks"].items()}
+    measured_longer = {row["config"]: row["deficit"] for row in longer["settings"]}
+
+    def over(deficit: float, unit: str) -> float:
+        """The deficit as a multiple of its tolerance (a tolerance of 0 allows no loss)."""
+        return deficit / tol[unit] if tol[unit] > 0 else (math.inf if deficit > 0 else 0.0)
+
     out = []
     for row in table["settings"]:
         if row["variant"] != variant or not math.isclose(row["p"], p, abs_tol=1e-9) or None in (row["fwd"],
@@ -88,10 +97,9 @@ def admissible(variant: str, p: float, tolerance: Mapping[str, float] | None = N
             continue
         if set(row["deficit"]) != set(units):
             continue  # not measured on every task: its quality is not known well enough
-        ratios = [row["deficit"][task] / tol[unit] if tol[unit] > 0 else (
-            math.inf if row["deficit"][task] > 0 else 0.0) for task, unit in units.items()]
-        worst = max(ratios)
-        if worst <= 1.0:
+        worst = max(over(row["deficit"][task], unit) for task, unit in units.items())
+        later = measured_longer.get(row["config"], {})
+        if worst <= 1.0 and all(over(d, longer_units[task]) <= 1.0 for task, d in later.items()):
             out.append(FrontierSetting(row["config"], row["variant"], row["p"], row["fwd"], row["bwd"],
                                        row["fresh"], worst))
     return out

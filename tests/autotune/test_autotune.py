@@ -428,7 +428,8 @@ def test_the_packaged_frontier_table_is_the_one_the_committed_results_give():
     import frontier_table
 
     results = json.loads((ROOT / "benchmarks" / "results" / "quality.json").read_text())
-    assert load_table() == frontier_table.build(results), "stale: run python benchmarks/frontier_table.py"
+    assert load_table() == frontier_table.build(results, frontier_table.load_longer()), \
+        "stale: run python benchmarks/frontier_table.py"
     assert {(s["variant"], s["fwd"], s["bwd"]) for s in load_table()["settings"]} >= {("direct", "q4", "q8")}
 
 
@@ -450,6 +451,46 @@ def test_the_frontier_table_leaves_model_changes_and_schedules_out():
     table = frontier_table.build(results)
     assert [(s["config"], s["frontier"]) for s in table["settings"]] == [("q2", ["shakespeare"]),
                                                                          ("q8", ["shakespeare"])]
+
+
+def test_a_setting_a_longer_run_measured_outside_the_tolerance_is_not_admissible():
+    table = _frontier_table({"fine": (0.1, 0.2), "coarse": (0.9, 1.0)})
+    assert [s.config for s in admissible("clapping-fc", 0.5, table=table)] == ["fine", "coarse"]
+    table["longer_runs"] = {"tasks": {"shakespeare": {"unit": "%"}, "fashion_vit": {"unit": "points"}},
+                            "settings": [{"config": "coarse", "deficit": {"shakespeare": 1.5, "fashion_vit": 1.2}},
+                                         {"config": "fine", "deficit": {"shakespeare": 1.9, "fashion_vit": 0.9}}]}
+    assert [s.config for s in admissible("clapping-fc", 0.5, table=table)] == ["fine"]
+    assert [s.config for s in admissible("clapping-fc", 0.5, {"points": 1.5}, table=table)] == ["fine", "coarse"]
+
+
+def test_the_frontier_table_quotes_the_longer_runs_worst_task_and_cross_task_result():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import frontier_table
+
+    def agg(task, label, ratio, deficit, model_change=False, steps=480):
+        return {"task": task, "label": label, "fwd": None if label == "uncompressed" else "q4", "bwd": "q8",
+                "bytes_ratio": ratio, "deficit_vs_uncompressed": deficit, "seeds": 3, "steps": steps,
+                "model_change": model_change}
+
+    long = {"aggregates": [agg("shakespeare", "direct moderate", 5.3, 1.4),
+                           agg("shakespeare", "direct bn4 moderate", 21.0, 2.9, True),
+                           agg("shakespeare", "direct bn8 q8", 31.5, 4.2, True)],
+            "frontier": {"shakespeare": {"unit": "%"}}}
+    more = {"aggregates": [agg("wordnet_glosses", "direct moderate", 5.3, 1.2),
+                           agg("wordnet_glosses", "direct bn4 moderate", 21.0, 0.4, True),
+                           agg("wordnet_glosses", "direct bn8 q8", 31.4, 1.7, True),
+                           agg("fashion_vit", "direct moderate", 5.3, 0.7, steps=860),
+                           agg("fashion_vit", "direct bn4 moderate", 21.2, 2.8, True, steps=860)],
+            "frontier": {"wordnet_glosses": {"unit": "%"}, "fashion_vit": {"unit": "points"}}}
+    section = frontier_table.longer_runs({"frontier_long/quality.json": long, "more_tasks/quality.json": more})
+    assert {t: i["steps"] for t, i in section["tasks"].items()} == {"shakespeare": 480, "wordnet_glosses": 480,
+                                                                     "fashion_vit": 860}
+    rows = {r["config"]: r for r in section["settings"]}
+    assert rows["direct bn4 moderate"]["worst_task"] == "fashion_vit" and not rows["direct bn4 moderate"][
+        "within_tolerance"]
+    assert not rows["direct bn8 q8"]["on_every_task"] and rows["direct moderate"]["within_tolerance"]
+    assert section["most_saved_within_tolerance_on_every_task"] == "direct moderate"
+    assert section["best_model_change_by_its_worst_task"] == "direct bn4 moderate"
 
 
 def test_autotune_options_say_what_is_wrong():
