@@ -13,8 +13,8 @@ run only where ``--configs`` names them::
 * Ranks chosen per cut from the measured energy (``bn4 energy moderate``): the same number of values per position
   over the cuts as ``bn4`` (3 x w / 4 for 3 cuts), shared out in proportion to how many directions keep 95 % of the
   energy at each cut at the end of the uncompressed run (``cut_energy.py``, ``results/cut_energy.json``).
-* Two bits per value both ways on the code of ``bn4`` (``bn4 q2``), plain and under Clapping-FC's error feedback
-  with lazy sampling at p = 0.5.
+* Two bits per value on the code of ``bn4``, both ways (``bn4 q2``) or forward only with 4-bit gradients
+  (``bn4 aggressive``), plain and under Clapping-FC's error feedback with lazy sampling at p = 0.5.
 * A start fitted to the data when training from scratch: ``bn4 fitted moderate`` is ``bn4 moderate`` whose
   bottlenecks start from the principal directions of what reaches them at initialisation (``fit_bottlenecks`` on the
   run's first training batches, as the fine-tuning task's ``pca`` starts).
@@ -42,6 +42,7 @@ VARIANT_CODECS: dict[str, tuple[str | None, str | None, str | None]] = {
     "bn8-to-bn4 moderate": ("q4", "q8", None),
     "bn4 fitted moderate": ("q4", "q8", None),
     "bn4 q2": ("q2", "q2", None),
+    "bn4 aggressive": ("q2", "q4", None),
     "bn4 energy moderate": ("q4", "q8", None),
 }
 #: codec settings whose Bottleneck at every cut is the residual one: (width divisor, init) as in _quality_tasks'
@@ -62,7 +63,8 @@ WIDENING: dict[str, tuple[int, int, float]] = {
 #: every variant's Bottleneck: (width divisor, init) for _quality_tasks' BOTTLENECK
 VARIANT_BOTTLENECKS: dict[str, tuple[int, str]] = {
     **RESIDUAL, **{setting: (divisor, "projection") for setting, (divisor, _, _) in WIDENING.items()},
-    "bn4 fitted moderate": (4, "pca"), "bn4 q2": (4, "projection"), "bn4 energy moderate": (4, "projection")}  # "pca": quality.py fits it (_quality_tasks.fit_to_data)
+    "bn4 fitted moderate": (4, "pca"),  # "pca": quality.py fits it (_quality_tasks.fit_to_data)
+    **{setting: (4, "projection") for setting in ("bn4 q2", "bn4 aggressive", "bn4 energy moderate")}}
 #: (variant, p, codec setting) of the opt-in frontier configurations
 OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("uncompressed", 1.0, "bn8 residual"),
@@ -75,6 +77,8 @@ OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn4 fitted moderate"),
     ("direct", 1.0, "bn4 q2"),
     ("clapping-fc", 0.5, "bn4 q2"),
+    ("direct", 1.0, "bn4 aggressive"),
+    ("clapping-fc", 0.5, "bn4 aggressive"),
     ("direct", 1.0, "bn4 energy moderate"),
 ]
 
