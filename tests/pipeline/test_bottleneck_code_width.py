@@ -111,6 +111,45 @@ def test_a_growing_code_trains_on_stages_as_in_one_process(runs):
     assert torch.count_nonzero(b["net.2.up.weight"][:, 2:]) > 0  # the widened values were trained
 
 
+def _fit_for_resume(out: str, name: str, steps: int, resume: bool) -> None:
+    """2 stages, RESUME_SCHEDULE; ``first`` stops before the widening with a checkpoint that ``resumed`` starts from in
+    new processes. Rank 0 writes the final weights and the losses."""
+    from bottleneck_run import BATCH, BottleneckMLP, data
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_clapping import ClappingStrategy
+
+    L.seed_everything(0, verbose=False)
+    model = BottleneckMLP()
+    x, y = data().dataset.tensors
+    loader = DataLoader(TensorDataset(x[:BATCH], y[:BATCH]), batch_size=BATCH)  # one batch: every step the same data
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[RankScheduler(RESUME_SCHEDULE)],
+                        strategy=ClappingStrategy(split_points=["net.2"], microbatches=2))
+    trainer.fit(model, loader, ckpt_path=str(Path(out, "first.ckpt")) if resume else None)
+    if name == "first":
+        trainer.save_checkpoint(Path(out, "first.ckpt"))
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), Path(out, f"{name}.pt"))
+        Path(out, f"{name}.json").write_text(json.dumps(model.losses))
+
+
+RESUME_SCHEDULE = {0: 2, 3: 4}  # 2 values for 3 steps, then all 4
+
+
+def test_a_run_resumed_before_the_widening_continues_as_the_uninterrupted_one(tmp_path):
+    out = str(tmp_path)
+    launch_forked(_fit_for_resume, out, "whole", 6, False, ranks=2, cwd=tmp_path)
+    launch_forked(_fit_for_resume, out, "first", 2, False, ranks=2, cwd=tmp_path)
+    launch_forked(_fit_for_resume, out, "resumed", 6, True, ranks=2, cwd=tmp_path)
+    whole, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("whole", "resumed"))
+    assert len(whole) == 6 and resumed == pytest.approx(whole[2:], rel=0, abs=1e-6)
+    a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
 def test_the_wire_carries_the_scheduled_width(runs):
     from bottleneck_run import BATCH, GROW, RANK
 
