@@ -13,6 +13,8 @@ run only where ``--configs`` names them::
 * Ranks chosen per cut from the measured energy (``bn4 energy moderate``): the same number of values per position
   over the cuts as ``bn4`` (3 x w / 4 for 3 cuts), shared out in proportion to how many directions keep 95 % of the
   energy at each cut at the end of the uncompressed run (``cut_energy.py``, ``results/cut_energy.json``).
+* An affine bottleneck (``bn4 affine moderate``): ``bn4 moderate`` whose two halves also learn a bias (started at
+  zero), so the code need not carry what every position shares (the bias of ``up`` adds it back at no cost in bytes).
 * Two bits per value on the code of ``bn4``, both ways (``bn4 q2``) or forward only with 4-bit gradients
   (``bn4 aggressive``), plain and under Clapping-FC's error feedback with lazy sampling at p = 0.5.
 * A start fitted to the data when training from scratch: ``bn4 fitted moderate`` is ``bn4 moderate`` whose
@@ -44,6 +46,7 @@ VARIANT_CODECS: dict[str, tuple[str | None, str | None, str | None]] = {
     "bn4 q2": ("q2", "q2", None),
     "bn4 aggressive": ("q2", "q4", None),
     "bn4 energy moderate": ("q4", "q8", None),
+    "bn4 affine moderate": ("q4", "q8", None),
 }
 #: codec settings whose Bottleneck at every cut is the residual one: (width divisor, init) as in _quality_tasks'
 #: BOTTLENECK, which holds them too (the report marks them as model changes); see residual_bottlenecks
@@ -64,7 +67,8 @@ WIDENING: dict[str, tuple[int, int, float]] = {
 VARIANT_BOTTLENECKS: dict[str, tuple[int, str]] = {
     **RESIDUAL, **{setting: (divisor, "projection") for setting, (divisor, _, _) in WIDENING.items()},
     "bn4 fitted moderate": (4, "pca"),  # "pca": quality.py fits it (_quality_tasks.fit_to_data)
-    **{setting: (4, "projection") for setting in ("bn4 q2", "bn4 aggressive", "bn4 energy moderate")}}
+    **{setting: (4, "projection") for setting in ("bn4 q2", "bn4 aggressive", "bn4 energy moderate",
+                                                   "bn4 affine moderate")}}
 #: (variant, p, codec setting) of the opt-in frontier configurations
 OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("uncompressed", 1.0, "bn8 residual"),
@@ -80,6 +84,7 @@ OPT_IN_CONFIGS: list[tuple[str, float, str]] = [
     ("direct", 1.0, "bn4 aggressive"),
     ("clapping-fc", 0.5, "bn4 aggressive"),
     ("direct", 1.0, "bn4 energy moderate"),
+    ("direct", 1.0, "bn4 affine moderate"),
 ]
 
 
@@ -93,6 +98,10 @@ def variant_model(setting: str, model: torch.nn.Module, task: str) -> None:
         ranks = shared_out(sum(b.rank for _, b in found), [cut["directions"]["95 %"] for cut in end.values()])
         replace(model, [(name, lightning_clapping.Bottleneck(b.features, r, b.init)) for (name, b), r in
                         zip(found, ranks, strict=True)])
+    if setting == "bn4 affine moderate":
+        for _, b in bottlenecks(model):
+            for half in (b.down, b.up):
+                half.bias = torch.nn.Parameter(torch.zeros(half.out_features))
 
 
 def shared_out(total: int, weights: list[int]) -> list[int]:

@@ -112,7 +112,9 @@ class CodeRows(nn.Linear):
         self.width = rank
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight if self.width == self.out_features else self.weight[: self.width])
+        if self.width == self.out_features:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight[: self.width], None if self.bias is None else self.bias[: self.width])
 
 
 class CodeColumns(nn.Linear):
@@ -126,7 +128,7 @@ class CodeColumns(nn.Linear):
         if n > self.in_features:
             raise ValueError(f"Bottleneck: the code has {n} values per position, more than the rank "
                              f"{self.in_features} the bottleneck was built with")
-        return F.linear(code, self.weight if n == self.in_features else self.weight[:, :n])
+        return F.linear(code, self.weight if n == self.in_features else self.weight[:, :n], self.bias)
 
 
 class Bottleneck(nn.Module):

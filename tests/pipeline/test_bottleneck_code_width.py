@@ -161,3 +161,13 @@ def test_the_wire_carries_the_scheduled_width(runs):
     wider = (4 - max(GROW)) * 2 * BATCH * (RANK - 2) * 4
     assert grow["raw_bytes"] - narrow["raw_bytes"] == wider
     assert grow["bytes"] - narrow["bytes"] >= wider
+
+
+def test_a_half_given_a_bias_keeps_it_at_any_width():
+    torch.manual_seed(0)
+    b, x = Bottleneck(16, 6), torch.randn(3, 16)
+    b.down.bias, b.up.bias = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(16))
+    b.set_code_width(2)
+    code = b.down(x)
+    torch.testing.assert_close(code, x @ b.down.weight[:2].t() + b.down.bias[:2], rtol=0, atol=1e-6)
+    torch.testing.assert_close(b.up(code), code @ b.up.weight[:, :2].t() + b.up.bias, rtol=0, atol=1e-6)
