@@ -14,8 +14,14 @@ the same in one process at full rank, and a resumed run takes the width of its s
 values it drops are ones the next stage has learned to read, and an optimizer's momentum would go on moving their
 weights after they left the code.
 
-Every width must fit every plain bottleneck of the model (``width <= rank``); a model with none, or with a residual
-bottleneck (whose encoder always codes its full rank), is refused when training starts, before the first step.
+The width due is set before the sanity check's validation and at the start of every training batch, once the run's
+step is known (a resumed run takes its step's width). At step 0 the first width applies to whatever the model holds
+(a fresh model's unused columns are its random start); a run resumed at a later step whose checkpoint holds non-zero
+columns past the width due (one trained with a wider code) is refused, rather than those columns being erased.
+
+Every width must fit every plain bottleneck of the model (``width <= rank``); a model with none (also one that
+builds its layers in ``configure_model``: they are looked for once it has run), or with a residual bottleneck (whose
+encoder always codes its full rank), is refused when fitting starts, before the first step.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class RankScheduler(pl.Callback):
         """The code width the schedule sets for optimizer step ``step``."""
         return [w for start, w in self.scheduling.items() if start <= step][-1]
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         found = bottlenecks_of(pl_module, WHO)
         widest = max(self.scheduling.values())
         for name, b in found.items():
@@ -68,8 +74,25 @@ class RankScheduler(pl.Callback):
                                  f"{b.rank}; build the bottlenecks with a rank of at least {widest}")
         self._bottlenecks = list(found.values())
 
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer.global_step, check=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer.global_step, check=True)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        width = self.width_at(trainer.global_step)
+        self._apply(trainer.global_step, check=False)
+
+    def _apply(self, step: int, check: bool) -> None:
+        """Every bottleneck at the width due at ``step``; with ``check`` (before training goes on), a resumed run's
+        weights must not hold values past that width."""
+        width = self.width_at(step)
         for b in self._bottlenecks:
+            up = b.up.weight
+            if check and step > 0 and not up.is_meta and bool(up[:, width:].detach().ne(0).any()):
+                raise ValueError(f"{WHO}: at step {step} the schedule codes {width} values, but the weights hold "
+                                 f"trained values past them ({b.code_width} wide): the checkpoint was trained with a "
+                                 f"wider code. Resume it with a schedule that gives step {step} at least that width, "
+                                 f"or without RankScheduler")
             b.set_code_width(width)

@@ -53,9 +53,9 @@ A plain bottleneck can code fewer than its ``rank`` values: ``set_code_width(n)`
 first ``n`` rows, so the cut carries ``n`` values per position (and the gradient coming back is ``n`` wide too), and
 ``up`` reads as many of its columns as the code it receives has. The columns of ``up`` past ``n`` are set to zero, so
 the full-width forward and the narrowed one compute the same function: a model saved at any width runs the same in
-one process at its full rank. Columns that have never been in use get no gradient and stay at zero (the optimizers'
-state for them stays at zero too), so a code that widens later starts its new values at zero contribution and
-training grows them; :class:`~lightning_clapping.RankScheduler` widens every bottleneck at the steps it is given.
+one process at its full rank. Columns that have never been in use get no gradient and stay at zero (an optimizer's
+state for them stays at zero too; ``down``'s unused rows get no gradient either, though a weight decay still shrinks
+them), so a code that widens later starts its new values at zero contribution and training grows them; :class:`~lightning_clapping.RankScheduler` widens every bottleneck at the steps it is given.
 """
 
 from __future__ import annotations
@@ -193,9 +193,8 @@ class Bottleneck(nn.Module):
             raise ValueError(f"Bottleneck({self.features}, {self.rank}): the code width must be an integer from 1 to "
                              f"the rank {self.rank}, got {width!r}")
         self.down.width = width
-        if not self.up.weight.is_meta:
-            with torch.no_grad():
-                self.up.weight[:, width:] = 0
+        with torch.no_grad():  # on the meta device the write is recorded, and replayed when the stage materializes
+            self.up.weight[:, width:] = 0
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.features:

@@ -86,19 +86,70 @@ class _Bottlenecked(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), Bottleneck(16, rank, residual=residual), nn.Linear(16, 2))
 
 
-def test_a_model_the_schedule_does_not_fit_is_refused_when_training_starts():
+def test_a_model_the_schedule_does_not_fit_is_refused_when_fitting_starts():
     for module, words in ((L.LightningModule(), "holds no Bottleneck"), (_Bottlenecked(residual=True), "residual"),
                           (_Bottlenecked(rank=3), "wider than net.1's rank 3")):
         with pytest.raises(ValueError, match=words):
-            RankScheduler({0: 2, 4: 4}).setup(None, module, "fit")
+            RankScheduler({0: 2, 4: 4}).on_fit_start(None, module)
 
 
-def test_every_bottleneck_takes_the_width_of_the_step_so_a_resumed_run_takes_its_own():
+def test_every_bottleneck_takes_the_width_of_the_step():
     model, sched = _Bottlenecked(), RankScheduler({0: 1, 3: 2, 6: 4})
-    sched.setup(None, model, "fit")
-    for step, width in ((0, 1), (2, 1), (3, 2), (5, 2), (6, 4), (100, 4), (4, 2)):  # (4, 2): a run resumed at step 4
+    sched.on_fit_start(None, model)
+    for step, width in ((0, 1), (2, 1), (3, 2), (5, 2), (6, 4), (100, 4)):
         sched.on_train_batch_start(SimpleNamespace(global_step=step), model, None, 0)
         assert model.net[1].code_width == width, step
+
+
+def test_a_resumed_run_takes_its_step_s_width_and_a_checkpoint_trained_wider_is_refused():
+    sched = RankScheduler({0: 1, 3: 2, 6: 4})
+    saved = _Bottlenecked()
+    saved.net[1].set_code_width(2)  # what a scheduled run saves at step 4: the columns past 2 at zero
+    resumed = _Bottlenecked()  # a new process: the model at its full rank, then the checkpoint's weights
+    resumed.load_state_dict(saved.state_dict())
+    sched.on_fit_start(None, resumed)
+    sched.on_train_start(SimpleNamespace(global_step=4), resumed)
+    assert resumed.net[1].code_width == 2
+    wider = _Bottlenecked()  # a checkpoint of a run without the schedule: all 4 columns trained
+    sched.on_fit_start(None, wider)
+    with pytest.raises(ValueError, match="trained with a wider code"):
+        sched.on_train_start(SimpleNamespace(global_step=4), wider)
+    sched.on_train_start(SimpleNamespace(global_step=0), wider)  # a fresh start narrows whatever it holds
+    assert wider.net[1].code_width == 1
+
+
+class _BuiltLate(L.LightningModule):
+    """Builds its layers in configure_model; records the code width its validation steps ran at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widths: list[int] = []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = nn.Sequential(nn.Linear(8, 16), Bottleneck(16, 4), nn.Linear(16, 2))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.widths.append(self.net[1].code_width)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_built_in_configure_model_is_narrowed_before_the_sanity_check():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,))), batch_size=8)
+    model = _BuiltLate()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+                        callbacks=[RankScheduler({0: 2})])
+    trainer.fit(model, data, data)
+    assert model.widths[0] == 2 and set(model.widths) == {2}  # the sanity check's validation ran narrowed
+    assert torch.count_nonzero(model.net[1].up.weight[:, 2:]) == 0
 
 
 def test_a_growing_code_trains_on_stages_as_in_one_process(runs):
@@ -171,3 +222,14 @@ def test_a_half_given_a_bias_keeps_it_at_any_width():
     code = b.down(x)
     torch.testing.assert_close(code, x @ b.down.weight[:2].t() + b.down.bias[:2], rtol=0, atol=1e-6)
     torch.testing.assert_close(b.up(code), code @ b.up.weight[:, :2].t() + b.up.bias, rtol=0, atol=1e-6)
+
+
+def test_a_code_narrowed_while_built_on_the_meta_device_materializes_with_its_unused_columns_at_zero():
+    from lightning_clapping import building_on_meta, materialize_module
+
+    with building_on_meta():
+        b = Bottleneck(16, 6)
+        b.set_code_width(2)
+    b = materialize_module(b, seed=0)
+    assert not b.up.weight.is_meta and torch.count_nonzero(b.up.weight[:, 2:]) == 0
+    assert torch.count_nonzero(b.up.weight[:, :2]) > 0
