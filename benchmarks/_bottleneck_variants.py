@@ -105,11 +105,15 @@ def variant_model(setting: str, model: torch.nn.Module, task: str) -> None:
 
 
 def shared_out(total: int, weights: list[int]) -> list[int]:
-    """``total`` shared out in proportion to ``weights`` (largest remainders first; at least 1 each)."""
+    """``total`` (at least one per weight) shared out in proportion to ``weights``: largest remainders first, at
+    least 1 each, what the minimum of 1 adds taken back from the largest shares."""
     exact = [total * w / sum(weights) for w in weights]
     out = [max(1, int(x)) for x in exact]
-    for i in sorted(range(len(exact)), key=lambda i: exact[i] - int(exact[i]), reverse=True)[:total - sum(out)]:
+    by_remainder = sorted(range(len(exact)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    for i in by_remainder[:max(0, total - sum(out))]:
         out[i] += 1
+    while sum(out) > total:
+        out[out.index(max(out))] -= 1
     return out
 
 

@@ -8,8 +8,9 @@ to the validation loss (unit ``"%"``); negative is better.
 
 :func:`admissible` gives the settings a run may switch to: those of the run's variant and lazy-sampling p, measured
 on every task of the table, whose deficit on each task is within the tolerance for its unit (default
-:data:`DEFAULT_QUALITY_TOLERANCE`: 1 accuracy point, 2 % validation loss, BENCHMARKS' tolerance), and which no
-longer run quoted in the table's ``longer_runs`` (more steps, tasks the table does not hold) measured outside it.
+:data:`DEFAULT_QUALITY_TOLERANCE`: 1 accuracy point, 2 % validation loss, BENCHMARKS' tolerance), and which none
+of the longer runs quoted in the table's ``longer_runs`` (more steps, tasks the table does not hold) measured outside
+it; a setting's ``worst`` counts those runs too.
 Autotune (:func:`lightning_clapping.autotune.choose.choose`, ``frontier=``) prices them with its timing model, and
 :func:`frontier_rule` takes one only when the links need it (the rule is stated in
 :mod:`lightning_clapping.autotune.choose`).
@@ -97,9 +98,10 @@ def admissible(variant: str, p: float, tolerance: Mapping[str, float] | None = N
             continue
         if set(row["deficit"]) != set(units):
             continue  # not measured on every task: its quality is not known well enough
-        worst = max(over(row["deficit"][task], unit) for task, unit in units.items())
         later = measured_longer.get(row["config"], {})
-        if worst <= 1.0 and all(over(d, longer_units[task]) <= 1.0 for task, d in later.items()):
+        worst = max([over(row["deficit"][task], unit) for task, unit in units.items()]
+                    + [over(d, longer_units[task]) for task, d in later.items()])
+        if worst <= 1.0:
             out.append(FrontierSetting(row["config"], row["variant"], row["p"], row["fwd"], row["bwd"],
                                        row["fresh"], worst))
     return out

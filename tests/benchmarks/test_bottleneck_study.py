@@ -74,6 +74,7 @@ def test_the_energy_ranks_share_out_the_uniform_budget_in_proportion_to_each_cut
 
     assert shared_out(96, [77, 67, 53]) == [37, 33, 26] and shared_out(96, [1, 1, 1]) == [32, 32, 32]
     assert sum(shared_out(72, [61, 51, 40])) == 72 and shared_out(10, [100, 1]) == [9, 1]
+    assert shared_out(12, [100, 1, 1]) == [10, 1, 1]  # the minimum of 1 each taken back from the largest share
     model = torch.nn.Sequential(Bottleneck(128, 32), torch.nn.Linear(128, 128), Bottleneck(128, 32),
                                 torch.nn.Linear(128, 128), Bottleneck(128, 32))
     variant_model("bn4 energy moderate", model, "shakespeare")  # from the committed results/cut_energy.json
