@@ -1,11 +1,12 @@
 """How many directions the values crossing each cut need, as training goes: the energy spectrum at every cut.
 
-    python benchmarks/cut_energy.py [--tasks shakespeare wordnet_glosses fashion_vit] [--steps-scale 4] \\
+    python benchmarks/cut_energy.py [--tasks shakespeare wordnet_glosses fashion_vit] [--steps-scale S] \\
         [--points 8] [--seed 0] [--out benchmarks/results/cut_energy.json]
 
 For each task of ``quality.py`` named, the model is trained uncompressed in one process (the pipeline trains the
-same, section 1) for the task's ``--standard`` steps (times ``--steps-scale``: 4 makes Shakespeare's 120 the longer
-runs' 480; the other two tasks' standard lengths are already their longer ones, so give them ``--steps-scale 1``).
+same, section 1) for the longer runs' steps: the task's ``--standard`` steps times ``LONGER_SCALE`` (4 for
+Shakespeare, whose 120 become 480; the other tasks' standard lengths are already their longer ones), or times
+``--steps-scale`` when it is given.
 At step 0 and ``--points`` evenly spaced steps after, the values reaching each split point on the first 4 held-out
 batches (the residual stream entering the block) give the second-moment matrix ``x^T x`` (float64, uncentred: what
 a bias-free ``Bottleneck`` keeps is its projection of it). Reported per cut and step: the fraction of the energy kept
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 import quality  # noqa: E402  (its task table, with the two more tasks registered)
 
 EVAL_BATCHES = 4
+LONGER_SCALE = {"shakespeare": 4.0}  # the longer runs' length over the --standard one (other tasks: 1)
 DIVISORS = (16, 8, 4, 2)
 LEVELS = (0.90, 0.95, 0.99)
 
@@ -92,9 +94,10 @@ class CutEnergy(L.Callback):
             self.measure(pl_module, trainer.global_step)
 
 
-def run_task(name: str, steps_scale: float, points: int, seed: int) -> dict:
+def run_task(name: str, steps_scale: float | None, points: int, seed: int) -> dict:
     task = quality.TASKS[name]
-    steps = round(quality.MODES["standard"]["tasks"][name]["steps"] * steps_scale)
+    scale = LONGER_SCALE.get(name, 1.0) if steps_scale is None else steps_scale
+    steps = round(quality.MODES["standard"]["tasks"][name]["steps"] * scale)
     L.seed_everything(seed, verbose=False)
     dm = task.make_data(seed, None, None, task.batch_size)
     dm.setup("fit")
@@ -113,7 +116,8 @@ def run_task(name: str, steps_scale: float, points: int, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["shakespeare"], choices=list(quality.TASKS))
-    ap.add_argument("--steps-scale", type=float, default=4.0)
+    ap.add_argument("--steps-scale", type=float, default=None,
+                    help="scale every task's --standard steps (default: the longer runs' length per task)")
     ap.add_argument("--points", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "results" / "cut_energy.json"))
