@@ -92,7 +92,7 @@ class RankScheduler(pl.Callback):
             up = b.up.weight
             if check and step > 0 and not up.is_meta and bool(up[:, width:].detach().ne(0).any()):
                 raise ValueError(f"{WHO}: at step {step} the schedule codes {width} values, but the weights hold "
-                                 f"trained values past them ({b.code_width} wide): the checkpoint was trained with a "
-                                 f"wider code. Resume it with a schedule that gives step {step} at least that width, "
-                                 f"or without RankScheduler")
+                                 f"trained values past them (up's columns from {width} on are not zero): the "
+                                 f"checkpoint was trained with a wider code. Resume it with a schedule that gives "
+                                 f"step {step} the width it was trained with, or without RankScheduler")
             b.set_code_width(width)
