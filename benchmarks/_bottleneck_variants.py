@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import lightning_clapping
+from lightning_clapping.pipeline.bottleneck import bottlenecks_of
 
 ENERGY = Path(__file__).resolve().parent / "results" / "cut_energy.json"
 
@@ -94,12 +95,12 @@ def variant_model(setting: str, model: torch.nn.Module, task: str) -> None:
         residual_bottlenecks(model)
     if setting == "bn4 energy moderate":
         end = json.loads(ENERGY.read_text())[task]["points"][-1]["cuts"]
-        found = bottlenecks(model)
-        ranks = shared_out(sum(b.rank for _, b in found), [cut["directions"]["95 %"] for cut in end.values()])
-        replace(model, [(name, lightning_clapping.Bottleneck(b.features, r, b.init)) for (name, b), r in
-                        zip(found, ranks, strict=True)])
+        found = bottlenecks_of(model, setting)  # in the order the forward reaches the cuts (the order inserted)
+        ranks = shared_out(sum(b.rank for b in found.values()), [cut["directions"]["95 %"] for cut in end.values()])
+        for (name, b), r in zip(found.items(), ranks, strict=True):
+            model.set_submodule(name, lightning_clapping.Bottleneck(b.features, r, b.init))
     if setting == "bn4 affine moderate":
-        for _, b in bottlenecks(model):
+        for b in bottlenecks_of(model, setting).values():
             for half in (b.down, b.up):
                 half.bias = torch.nn.Parameter(torch.zeros(half.out_features))
 
@@ -117,27 +118,17 @@ def shared_out(total: int, weights: list[int]) -> list[int]:
     return out
 
 
-def bottlenecks(model: torch.nn.Module) -> list[tuple[str, lightning_clapping.Bottleneck]]:
-    """The model's bottlenecks in the order the forward reaches the cuts (the order they were inserted)."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, lightning_clapping.Bottleneck)]
-
-
-def replace(model: torch.nn.Module, new: list[tuple[str, torch.nn.Module]]) -> None:
-    for name, module in new:
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 def variant_callbacks(setting: str, model: torch.nn.Module, steps: int) -> list[lightning_clapping.RankScheduler]:
     """A widening setting's ``RankScheduler`` for a run of ``steps`` (none for other settings): the code's width
     first the model's width / the setting's earlier divisor, the full rank from its fraction of the steps."""
     if setting not in WIDENING:
         return []
     _, before, fraction = WIDENING[setting]
-    features = {m.features for m in model.modules() if isinstance(m, lightning_clapping.Bottleneck)}
+    found = bottlenecks_of(model, setting).values()
+    features = {b.features for b in found}
     if len(features) != 1:
         raise ValueError(f"{setting}: the bottlenecks must share one width to share a schedule, got {features}")
-    rank = max(m.rank for m in model.modules() if isinstance(m, lightning_clapping.Bottleneck))
+    rank = max(b.rank for b in found)
     return [lightning_clapping.RankScheduler({0: features.pop() // before, round(fraction * steps): rank})]
 
 
@@ -145,11 +136,9 @@ def residual_bottlenecks(model: torch.nn.Module) -> None:
     """Every ``Bottleneck`` of ``model`` replaced by ``Bottleneck(..., residual=True)`` of the same width, rank and
     init, holding the same identity path: the same start as the plain bottleneck of the run's seed, whose encoder and
     decoder branches (started at zero output) can then learn a nonlinear code."""
-    from lightning_clapping import Bottleneck
-
-    for name, old in [(n, m) for n, m in bottlenecks(model) if not m.residual]:
-        new = Bottleneck(old.features, old.rank, old.init, residual=True)
+    for name, old in [(n, m) for n, m in bottlenecks_of(model, "residual_bottlenecks").items() if not m.residual]:
+        new = lightning_clapping.Bottleneck(old.features, old.rank, old.init, residual=True)
         with torch.no_grad():
             new.down.weight.copy_(old.down.weight)
             new.up.weight.copy_(old.up.weight)
-        replace(model, [(name, new)])
+        model.set_submodule(name, new)

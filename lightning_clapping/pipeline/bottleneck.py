@@ -55,7 +55,8 @@ first ``n`` rows, so the cut carries ``n`` values per position (and the gradient
 the full-width forward and the narrowed one compute the same function: a model saved at any width runs the same in
 one process at its full rank. Columns that have never been in use get no gradient and stay at zero (an optimizer's
 state for them stays at zero too; ``down``'s unused rows get no gradient either, though a weight decay still shrinks
-them), so a code that widens later starts its new values at zero contribution and training grows them; :class:`~lightning_clapping.RankScheduler` widens every bottleneck at the steps it is given.
+them), so a code that widens later starts its new values at zero contribution and training grows them;
+:class:`~lightning_clapping.RankScheduler` widens every bottleneck at the steps it is given.
 """
 
 from __future__ import annotations
@@ -112,8 +113,6 @@ class CodeRows(nn.Linear):
         self.width = rank
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.width == self.out_features:
-            return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight[: self.width], None if self.bias is None else self.bias[: self.width])
 
 
@@ -128,7 +127,7 @@ class CodeColumns(nn.Linear):
         if n > self.in_features:
             raise ValueError(f"Bottleneck: the code has {n} values per position, more than the rank "
                              f"{self.in_features} the bottleneck was built with")
-        return F.linear(code, self.weight if n == self.in_features else self.weight[:, :n], self.bias)
+        return F.linear(code, self.weight[:, :n], self.bias)
 
 
 class Bottleneck(nn.Module):
@@ -176,8 +175,7 @@ class Bottleneck(nn.Module):
         if self.residual:
             self.down.reset_branch(fresh=True)
             self.up.reset_branch(fresh=True)
-        elif self.code_width < self.rank:
-            self.set_code_width(self.code_width)  # the columns out of use back at zero
+        self.zero_unused_columns()
 
     @property
     def code_width(self) -> int:
@@ -193,8 +191,13 @@ class Bottleneck(nn.Module):
             raise ValueError(f"Bottleneck({self.features}, {self.rank}): the code width must be an integer from 1 to "
                              f"the rank {self.rank}, got {width!r}")
         self.down.width = width
-        with torch.no_grad():  # on the meta device the write is recorded, and replayed when the stage materializes
-            self.up.weight[:, width:] = 0
+        self.zero_unused_columns()
+
+    def zero_unused_columns(self) -> None:
+        """``up``'s columns past the code width set to zero (none while the code is the full rank)."""
+        if self.code_width < self.rank:
+            with torch.no_grad():  # on the meta device the write is recorded, and replayed when the stage materializes
+                self.up.weight[:, self.code_width:] = 0
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.features:
@@ -339,8 +342,7 @@ def set_directions(bottleneck: Bottleneck, top: Tensor) -> None:
                 half.weight.copy_(value)
                 if isinstance(half, LowRankHalf):
                     half.reset_branch()
-        if bottleneck.code_width < bottleneck.rank:
-            bottleneck.set_code_width(bottleneck.code_width)  # a narrowed code: up's unused columns stay at zero
+    bottleneck.zero_unused_columns()  # a narrowed code: up's unused columns stay at zero
 
 
 def _second_moments(found: dict[str, Bottleneck], done: dict[str, float], batches: Iterable[Any],
