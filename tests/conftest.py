@@ -28,15 +28,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.bench)
 
 
-def launch(script: str, *args: str, cwd: Path, timeout: float = 300, expect_ok: bool = True,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``tests/scripts/<script>`` as a user would; Lightning's launcher starts the other ranks."""
+def script_env(*paths: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a script a test starts as a user would: ``paths`` first on PYTHONPATH, one OpenMP thread
+    unless set, ``env`` added, and none of a launcher's variables (the script's Trainer launches its own ranks)."""
     full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), full_env.get("PYTHONPATH", "")])
+    full_env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), full_env.get("PYTHONPATH", "")])
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
         full_env.pop(var, None)
+    return full_env
+
+
+def launch(script: str, *args: str, cwd: Path, timeout: float = 300, expect_ok: bool = True,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/scripts/<script>`` as a user would; Lightning's launcher starts the other ranks."""
+    full_env = script_env(ROOT, ROOT / "tests", env=env)
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / script), *args],
         cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,

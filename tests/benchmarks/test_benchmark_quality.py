@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, script_env
 
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -38,12 +38,7 @@ def tiny(tmp_path_factory):
     if all(_missing(t) for t in TASKS):
         pytest.skip("no data for the quality benchmark: " + "; ".join(f"{t}: {_missing(t)}" for t in TASKS))
     out = tmp_path_factory.mktemp("quality")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)], cwd=out, env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)], cwd=out, env=script_env(ROOT),
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         pytest.fail(f"quality.py --tiny failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

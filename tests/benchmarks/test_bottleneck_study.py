@@ -4,26 +4,20 @@ cut_energy.py reports a spectrum's kept fractions and directions correctly and r
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, script_env
+
+ENV = script_env(ROOT, ROOT / "benchmarks")  # beside quality.py, as a user starts it
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _bottleneck_variants import OPT_IN_CONFIGS, VARIANT_BOTTLENECKS, WIDENING, variant_callbacks  # noqa: E402
 
 from lightning_clapping import Bottleneck  # noqa: E402
-
-
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]), OMP_NUM_THREADS="1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RANK"):
-        env.pop(var, None)
-    return env
 
 
 def test_a_widening_setting_codes_its_earlier_width_then_the_full_rank_from_its_fraction_of_the_steps():
@@ -41,8 +35,8 @@ def test_the_spectrum_summary_counts_kept_energy_and_directions():
             "values = torch.tensor([8.0, 4.0, 2.0, 1.0] + [0.0625] * 12, dtype=torch.float64)\n"
             "q, _ = torch.linalg.qr(torch.randn(16, 16, dtype=torch.float64))\n"
             "print(json.dumps(spectrum_summary(q @ torch.diag(values) @ q.t())))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=_env(), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", env=ENV,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     total = 15.0 + 12 * 0.0625  # 15.75
@@ -55,7 +49,7 @@ def test_the_spectrum_summary_counts_kept_energy_and_directions():
 def test_cut_energy_records_every_cut_at_step_0_and_each_point(tmp_path):
     out = tmp_path / "energy.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cut_energy.py"), "--tasks", "shakespeare",
-                           "--steps-scale", "0.05", "--points", "2", "--out", str(out)], cwd=tmp_path, env=_env(),
+                           "--steps-scale", "0.05", "--points", "2", "--out", str(out)], cwd=tmp_path, env=ENV,
                           capture_output=True, text=True, timeout=600)
     if "Shakespeare" in proc.stderr and "install" in proc.stderr:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
